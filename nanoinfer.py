@@ -1,0 +1,543 @@
+"""
+nanoinfer: GPT-2 inference, fast, in a few files.
+
+Read top to bottom: weights and tokenizer, the numpy backend (the readable definition of every op),
+the CUDA backend (the same ops as hand-written kernels from kernels.cu), the GPT-2 forward over one flat
+batch of tokens, the sampler, and the LLM engine that ties them to the paged KV cache (paged_kv.py) and
+the continuous-batching scheduler (scheduler.py).
+"""
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from paged_kv import PagedKVCache
+from scheduler import Scheduler, Sequence
+
+# -----------------------------------------------------------------------------
+# config and weights
+
+HF_REPOS = {
+    "gpt2": "openai-community/gpt2",
+    "gpt2-medium": "openai-community/gpt2-medium",
+    "gpt2-large": "openai-community/gpt2-large",
+    "gpt2-xl": "openai-community/gpt2-xl",
+    "distilgpt2": "distilbert/distilgpt2",
+}
+MODEL_FILES = ("config.json", "model.safetensors", "vocab.json", "merges.txt")
+
+
+@dataclass
+class GPTConfig:
+    n_layer: int
+    n_head: int
+    n_embd: int
+    n_ctx: int
+    vocab_size: int
+    eps: float = 1e-5
+
+    @property
+    def head_dim(self):
+        return self.n_embd // self.n_head
+
+
+def resolve_model(model):
+    """A local directory as it is, or a GPT-2 name fetched through the Hugging Face cache (downloaded once)."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    if model not in HF_REPOS:
+        raise FileNotFoundError(f"--model {model!r} is neither a directory nor one of {', '.join(HF_REPOS)}: "
+                                "pass a GPT-2 name or a directory holding " + ", ".join(MODEL_FILES))
+    from huggingface_hub import hf_hub_download
+    try:  # hf_hub_download shows a progress bar, and falls back to the cached copy when offline
+        files = [hf_hub_download(HF_REPOS[model], name) for name in MODEL_FILES]
+    except Exception as e:
+        raise RuntimeError(
+            f"could not download {model} ({HF_REPOS[model]}) from the Hugging Face Hub, and no cached copy is there "
+            f"({type(e).__name__}: {e}). Connect to the network once (the files are cached for later), or pass "
+            "--model PATH to a local directory holding " + ", ".join(MODEL_FILES)) from None
+    return Path(files[0]).parent
+
+
+def _need(path, name):
+    f = path / name
+    if not f.is_file():
+        raise FileNotFoundError(f"{f} is missing: a GPT-2 model directory holds " + ", ".join(MODEL_FILES))
+    return f
+
+
+def load_config(path):
+    f = _need(path, "config.json")
+    try:
+        cfg = json.loads(f.read_text())
+    except ValueError as e:
+        raise ValueError(f"{f} is not valid JSON ({e})") from None
+    if cfg.get("model_type") != "gpt2":
+        raise ValueError(f"{f} says model_type={cfg.get('model_type')!r}: nanoinfer runs GPT-2 models only")
+    if cfg.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
+        raise ValueError(f"{f}: activation_function={cfg['activation_function']!r}; nanoinfer implements GPT-2's tanh GELU")
+    return GPTConfig(n_layer=cfg["n_layer"], n_head=cfg["n_head"], n_embd=cfg["n_embd"],
+                     n_ctx=cfg.get("n_positions", cfg.get("n_ctx", 1024)), vocab_size=cfg["vocab_size"],
+                     eps=cfg.get("layer_norm_epsilon", 1e-5))
+
+
+def expected_shapes(c):
+    """Every tensor of a GPT-2 checkpoint, in Hugging Face's names and layout (Conv1D weights are (in, out))."""
+    C = c.n_embd
+    shapes = {"wte.weight": (c.vocab_size, C), "wpe.weight": (c.n_ctx, C), "ln_f.weight": (C,), "ln_f.bias": (C,)}
+    for i in range(c.n_layer):
+        shapes.update({f"h.{i}.ln_1.weight": (C,), f"h.{i}.ln_1.bias": (C,),
+                       f"h.{i}.attn.c_attn.weight": (C, 3 * C), f"h.{i}.attn.c_attn.bias": (3 * C,),
+                       f"h.{i}.attn.c_proj.weight": (C, C), f"h.{i}.attn.c_proj.bias": (C,),
+                       f"h.{i}.ln_2.weight": (C,), f"h.{i}.ln_2.bias": (C,),
+                       f"h.{i}.mlp.c_fc.weight": (C, 4 * C), f"h.{i}.mlp.c_fc.bias": (4 * C,),
+                       f"h.{i}.mlp.c_proj.weight": (4 * C, C), f"h.{i}.mlp.c_proj.bias": (C,)})
+    return shapes
+
+
+def load_weights(path, config):
+    """numpy float32 weights, every matmul weight transposed once to (out, in): y = x @ w.T everywhere."""
+    from safetensors import safe_open
+    f = _need(path, "model.safetensors")
+    try:
+        with safe_open(f, framework="np") as st:
+            # save_pretrained of GPT2LMHeadModel prefixes "transformer."; the Hub's files do not
+            tensors = {k.removeprefix("transformer."): st.get_tensor(k) for k in st.keys()}
+    except Exception as e:
+        raise ValueError(f"{f} cannot be read as safetensors ({e}): the file is truncated or corrupt; "
+                         "delete it and download or save it again") from None
+    weights = {}
+    for name, shape in expected_shapes(config).items():
+        if name not in tensors:
+            raise ValueError(f"{f} has no tensor {name!r}: is this a GPT-2 checkpoint matching its config.json?")
+        if tensors[name].shape != shape:
+            raise ValueError(f"{f}: tensor {name!r} has shape {tensors[name].shape}, config.json implies {shape}")
+        w = tensors[name].astype(np.float32)
+        is_conv1d = name.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight"))
+        weights[name] = np.ascontiguousarray(w.T) if is_conv1d else w
+    return weights
+
+# -----------------------------------------------------------------------------
+# tokenizer: tiktoken's fast BPE, built from the model directory's own vocab.json + merges.txt
+
+GPT2_SPLIT = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+
+
+def bytes_to_unicode():
+    """GPT-2's files spell every byte as a printable character; this is that map."""
+    n, mapping = 0, {}
+    for b in range(256):
+        if ord("!") <= b <= ord("~") or ord("¡") <= b <= ord("¬") or ord("®") <= b <= ord("ÿ"):  # printable as is
+            mapping[b] = chr(b)
+        else:
+            mapping[b] = chr(256 + n)
+            n += 1
+    return mapping
+
+
+class Tokenizer:
+    def __init__(self, path):
+        import tiktoken
+        vocab_file, merges_file = _need(path, "vocab.json"), _need(path, "merges.txt")
+        vocab = json.loads(vocab_file.read_text(encoding="utf-8"))
+        byte_of = {ch: b for b, ch in bytes_to_unicode().items()}
+        self.eot_token = vocab.pop("<|endoftext|>")
+        # GPT-2's token ids are its merge ranks, which is exactly what tiktoken wants
+        ranks = {bytes(byte_of[ch] for ch in tok): i for tok, i in vocab.items()}
+        merges = [l for l in merges_file.read_text(encoding="utf-8").split("\n")[1:] if l]
+        if len(merges) != len(ranks) - 256:
+            raise ValueError(f"{merges_file} has {len(merges)} merges but {vocab_file} implies {len(ranks) - 256}: "
+                             "the two files do not belong together")
+        self.enc = tiktoken.Encoding("gpt2-local", pat_str=GPT2_SPLIT, mergeable_ranks=ranks,
+                                     special_tokens={"<|endoftext|>": self.eot_token})
+
+    def encode(self, text):
+        return self.enc.encode(text, allowed_special="all")
+
+    def decode(self, ids):
+        return self.enc.decode(ids)
+
+    def token_bytes(self, token):
+        return self.enc.decode_single_token_bytes(token)
+
+# -----------------------------------------------------------------------------
+# the numpy backend: the readable definition of every op, the reference in tests, and a CPU engine
+
+
+def gelu_tanh(x):
+    """GPT-2's GELU, the tanh approximation."""
+    return 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x ** 3)))
+
+
+def uniform(seed, step):
+    """A counter-based random number in [0, 1) per (seed, step): splitmix64, the same bits on CPU and GPU.
+    A request's samples depend only on its own seed and token index, never on what else is in the batch."""
+    seed, step = np.asarray(seed, np.uint64), np.asarray(step, np.uint64)
+    z = seed + (step + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    z = z ^ (z >> np.uint64(31))
+    return (z >> np.uint64(40)).astype(np.float32) * np.float32(2.0 ** -24)
+
+
+def sample_row(logits, temperature, top_k, top_p, u):
+    """One token from one row of logits: temperature, then top-k, then top-p, by thresholds on p."""
+    if temperature == 0:
+        return int(np.argmax(logits))
+    p = np.exp((logits - logits.max()) / np.float32(temperature))  # unnormalized; the largest is 1
+    if 0 < top_k < len(p):
+        p[p < np.partition(p, -top_k)[-top_k]] = 0  # keep the k largest (and any ties with the k-th)
+    if top_p < 1:
+        desc = np.sort(p)[::-1]
+        mass = np.cumsum(desc)
+        p[p < desc[np.searchsorted(mass, np.float32(top_p) * mass[-1])]] = 0  # smallest head holding top_p
+    cdf = np.cumsum(p)
+    return int(min(np.searchsorted(cdf, u * cdf[-1], side="right"), np.flatnonzero(p)[-1]))
+
+
+class NumpyBackend:
+    """Every op of the forward pass, in numpy: short enough to read as the definition of what the kernels do."""
+    xp = np
+    name = "cpu"
+
+    def __init__(self, dtype=np.float32):
+        self.dtype = np.dtype(dtype)
+
+    def asarray(self, a, dtype=None):
+        return np.ascontiguousarray(a, dtype=dtype or self.dtype)
+
+    def tohost(self, a):
+        return a
+
+    def zeros(self, shape, dtype=None):
+        return np.zeros(shape, dtype or self.dtype)
+
+    def to_device(self, batch):
+        return batch
+
+    def embed(self, wte, wpe, input_ids, positions):
+        return wte[input_ids] + wpe[positions]  # (T, C)
+
+    def layernorm(self, x, w, b, eps, residual=None):
+        if residual is not None:  # fused residual add: the residual stream is updated in place
+            residual += x
+            x = residual
+        mean = x.mean(-1, keepdims=True)
+        var = ((x - mean) ** 2).mean(-1, keepdims=True)
+        return (x - mean) / np.sqrt(var + eps) * w + b
+
+    def matmul(self, x, w, bias=None, gelu=False, residual=None, out_dtype=None):
+        y = x @ w.T  # (M, K) @ (K, N) -> (M, N)
+        if bias is not None:
+            y += bias
+        if gelu:
+            y = gelu_tanh(y)
+        if residual is not None:
+            y += residual
+        return y.astype(out_dtype or y.dtype, copy=False)
+
+    def cache_write(self, k, v, k_cache, v_cache, slot_mapping):
+        H, D = k.shape[1:]
+        k_cache.reshape(-1, H, D)[slot_mapping] = k  # a slot is one token's K for all heads
+        v_cache.reshape(-1, H, D)[slot_mapping] = v
+
+    def attention(self, q, k_cache, v_cache, batch, scale):
+        out = np.empty_like(q)  # (T, H, D)
+        _, block_size, H, D = k_cache.shape
+        for s, n_ctx in enumerate(batch.context_lens):
+            q0, q1 = batch.cu_seqlens_q[s], batch.cu_seqlens_q[s + 1]
+            blocks = batch.block_tables[s, :-(-n_ctx // block_size)]
+            k = k_cache[blocks].reshape(-1, H, D)[:n_ctx].transpose(1, 2, 0)  # (H, D, L) gathered by block table
+            v = v_cache[blocks].reshape(-1, H, D)[:n_ctx].transpose(1, 0, 2)  # (H, L, D)
+            att = (q[q0:q1].transpose(1, 0, 2) @ k) * scale  # (H, n_q, L)
+            q_pos = np.arange(n_ctx - (q1 - q0), n_ctx)  # the queries are the last n_q tokens
+            att = np.where(np.arange(n_ctx) <= q_pos[:, None], att, -np.inf)  # causal
+            att = np.exp(att - att.max(-1, keepdims=True))
+            out[q0:q1] = ((att / att.sum(-1, keepdims=True)) @ v).transpose(1, 0, 2)  # (n_q, H, D)
+        return out
+
+    def sample(self, logits, temperature, top_k, top_p, seed, step):
+        u = uniform(seed, step)
+        return np.array([sample_row(logits[r].astype(np.float32), temperature[r], top_k[r], top_p[r], u[r])
+                         for r in range(len(logits))], dtype=np.int64)
+
+
+def make_backend(device, dtype):
+    if device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"device={device!r}: use 'auto', 'cpu' or 'cuda'")
+    if device != "cpu":
+        try:
+            import cupy
+            gpu = cupy.cuda.runtime.getDeviceCount() > 0
+        except Exception as e:
+            gpu, why = False, f"{type(e).__name__}: {e}"
+        else:
+            why = "no GPU is visible"
+        if gpu:
+            return CudaBackend(np.dtype(dtype or np.float16))
+        if device == "cuda":
+            raise RuntimeError(f"device='cuda' needs CuPy and an NVIDIA GPU ({why}): "
+                               "pip install cupy-cuda13x on a GPU machine, or use device='cpu'")
+        print(f"nanoinfer: no usable GPU ({why}); running on the CPU with numpy", file=sys.stderr)
+    if dtype is not None and np.dtype(dtype) != np.float32:
+        raise ValueError(f"dtype={np.dtype(dtype).name} on the CPU: numpy has no fast half-precision matmul; use float32")
+    return NumpyBackend(np.float32)
+
+# -----------------------------------------------------------------------------
+# the CUDA backend: the same ops as hand-written kernels (kernels.cu), launched through CuPy
+
+CudaBackend = None  # the next section of this file
+
+# -----------------------------------------------------------------------------
+# GPT-2 over one flat batch of tokens
+
+
+@dataclass
+class Batch:
+    """One engine step's tokens, every sequence's side by side, and where their K/V live."""
+    input_ids: np.ndarray  # (T,) int32
+    positions: np.ndarray  # (T,) int32
+    slot_mapping: np.ndarray  # (T,) int32, the cache slot each new token's K/V goes to
+    cu_seqlens_q: np.ndarray  # (S+1,) int32, sequence s owns rows cu_seqlens_q[s]:cu_seqlens_q[s+1]
+    context_lens: np.ndarray  # (S,) int32, tokens in each sequence's cache after this step
+    block_tables: np.ndarray  # (S, max_blocks) int32
+    logits_idx: np.ndarray  # (R,) int32, rows whose next-token logits are wanted
+
+
+class GPT:
+    def __init__(self, config, weights, backend):
+        self.config, self.backend = config, backend
+        self.w = {name: backend.asarray(a) for name, a in weights.items()}
+
+    def forward(self, batch, kv):
+        """Logits (R, V), float32, for the rows batch.logits_idx; writes every token's K/V into the cache."""
+        be, w, c = self.backend, self.w, self.config
+        d = be.to_device(batch)
+        T, C, H, D = len(batch.input_ids), c.n_embd, c.n_head, c.head_dim
+        h = be.embed(w["wte.weight"], w["wpe.weight"], d.input_ids, d.positions)  # (T, C) the residual stream
+        y = be.layernorm(h, w["h.0.ln_1.weight"], w["h.0.ln_1.bias"], c.eps)
+        for i in range(c.n_layer):
+            p = f"h.{i}."
+            qkv = be.matmul(y, w[p + "attn.c_attn.weight"], w[p + "attn.c_attn.bias"])  # (T, 3C)
+            q, k, v = (qkv[:, j * C:(j + 1) * C].reshape(T, H, D) for j in range(3))  # (T, H, D) each
+            be.cache_write(k, v, kv.k[i], kv.v[i], d.slot_mapping)
+            att = be.attention(q, kv.k[i], kv.v[i], d, 1.0 / math.sqrt(D)).reshape(T, C)
+            a = be.matmul(att, w[p + "attn.c_proj.weight"], w[p + "attn.c_proj.bias"])
+            # the residual add can live in the next layernorm (here) or in a matmul's epilogue (below)
+            y = be.layernorm(a, w[p + "ln_2.weight"], w[p + "ln_2.bias"], c.eps, residual=h)  # h += a
+            f = be.matmul(y, w[p + "mlp.c_fc.weight"], w[p + "mlp.c_fc.bias"], gelu=True)  # (T, 4C)
+            h = be.matmul(f, w[p + "mlp.c_proj.weight"], w[p + "mlp.c_proj.bias"], residual=h)
+            if i + 1 < c.n_layer:
+                y = be.layernorm(h, w[f"h.{i + 1}.ln_1.weight"], w[f"h.{i + 1}.ln_1.bias"], c.eps)
+        # only the rows that sample need the last layernorm and the 50257-wide lm_head
+        y = be.layernorm(h[d.logits_idx], w["ln_f.weight"], w["ln_f.bias"], c.eps)  # (R, C)
+        return be.matmul(y, w["wte.weight"], out_dtype=np.float32)  # (R, V), tied to the embedding
+
+# -----------------------------------------------------------------------------
+# sampling parameters and outputs, with the names vLLM users know
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 is greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 is off
+    seed: int = None  # a seeded request samples the same tokens whatever else is in the batch
+    stop: list = None  # strings that end the request (not included in the text)
+    ignore_eos: bool = False
+    logprobs: int = None  # k: the chosen token's log-probability and the k most likely, at every token
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        checks = {
+            "max_tokens": isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+            "temperature": isinstance(self.temperature, (int, float)) and 0 <= self.temperature < math.inf,
+            "top_p": isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1,
+            "top_k": isinstance(self.top_k, int) and self.top_k >= 0,
+            "seed": self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2 ** 64),
+            "stop": self.stop is None or (isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop)),
+            "logprobs": self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
+        }
+        rules = {"max_tokens": "an integer >= 1", "temperature": "a number >= 0 (0 is greedy)",
+                 "top_p": "a number in (0, 1]", "top_k": "an integer >= 0 (0 is off)",
+                 "seed": "None or an integer in [0, 2**64)", "stop": "None, a string, or a list of non-empty strings",
+                 "logprobs": "None or an integer in [0, 20]"}
+        for name, ok in checks.items():
+            if not ok or isinstance(getattr(self, name), bool):
+                raise ValueError(f"SamplingParams.{name}={getattr(self, name)!r}: must be {rules[name]}")
+
+
+@dataclass
+class RequestOutput:
+    request_id: int
+    prompt_token_ids: list
+    text: str = ""
+    token_ids: list = field(default_factory=list)
+    finish_reason: str = None  # 'stop' (EOS or a stop string), 'length' (max_tokens or the context), 'error'
+    logprobs: list = None  # with logprobs=k: per token {'token': logprob of the chosen one, 'top': [(id, logprob)] * k}
+    error: str = None
+
+# -----------------------------------------------------------------------------
+# the engine: schedule, run one flat batch, sample, stream
+
+
+class LLM:
+    def __init__(self, model, device="auto", dtype=None, block_size=16, max_num_seqs=256,
+                 max_num_batched_tokens=2048, num_kv_tokens=None, gpu_memory_utilization=0.9, seed=0):
+        path = resolve_model(model)
+        self.config = c = load_config(path)
+        self.tokenizer = Tokenizer(path)
+        self.backend = make_backend(device, dtype)
+        self.model = GPT(c, load_weights(path, c), self.backend)
+        if num_kv_tokens is None:
+            num_kv_tokens = self._kv_tokens_that_fit(gpu_memory_utilization)
+        num_blocks = -(-num_kv_tokens // block_size)
+        self.kv = PagedKVCache(self.backend, c.n_layer, c.n_head, c.head_dim, num_blocks, block_size)
+        self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens)
+        self._rng = np.random.default_rng(seed)  # seeds for requests that bring none
+        self._next_id = 0
+
+    def _kv_tokens_that_fit(self, fraction):
+        """On the GPU: what the fraction of its memory leaves after the weights. On the CPU: 1 GiB."""
+        c = self.config
+        per_token = PagedKVCache.bytes_per_token(c.n_layer, c.n_head, c.head_dim, self.backend.dtype.itemsize)
+        if self.backend.name == "cpu":
+            budget = 2 ** 30
+        else:
+            free, total = self.backend.memory_info()
+            budget = total * fraction - (total - free)
+            budget -= 64 * max(c.vocab_size, 4 * c.n_embd) * 4 * 8  # room for a step's activations and logits
+        if budget < per_token * c.n_ctx:
+            raise RuntimeError(f"the KV cache would hold only {int(max(budget, 0) // per_token)} tokens, less than one "
+                               f"full context ({c.n_ctx}): raise gpu_memory_utilization or pass num_kv_tokens")
+        return int(budget // per_token)
+
+    def add_request(self, prompt, params=None):
+        """Queue a request; a bad one raises ValueError here and leaves the engine serving the others."""
+        params = params or SamplingParams()
+        c = self.config
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        elif all(isinstance(t, (int, np.integer)) and 0 <= t < c.vocab_size for t in prompt):
+            ids = [int(t) for t in prompt]
+        else:
+            raise ValueError(f"a prompt is a string or a list of token ids in [0, {c.vocab_size})")
+        ids = ids or [self.tokenizer.eot_token]  # an empty prompt generates unconditionally
+        if len(ids) >= c.n_ctx:
+            raise ValueError(f"the prompt is {len(ids)} tokens, and this model's context is {c.n_ctx} tokens with at "
+                             f"least one to generate: shorten the prompt to at most {c.n_ctx - 1} tokens")
+        most_tokens = min(len(ids) + params.max_tokens, c.n_ctx)
+        if self.kv.blocks_needed(most_tokens) > self.kv.num_blocks:
+            raise ValueError(f"the request may need {most_tokens} tokens of KV cache, but the whole pool holds "
+                             f"{self.kv.num_blocks * self.kv.block_size}: lower max_tokens, or give the engine a larger "
+                             "pool (num_kv_tokens, gpu_memory_utilization)")
+        seed = params.seed if params.seed is not None else int(self._rng.integers(2 ** 63))
+        seq = Sequence(self._next_id, ids, params, seed, self.tokenizer)
+        self._next_id += 1
+        self.scheduler.add(seq)
+        return seq.seq_id
+
+    def has_unfinished(self):
+        return self.scheduler.has_unfinished()
+
+    def _make_batch(self, scheduled):
+        """Flatten this step's work into one batch. Python loops over sequences, never over tokens."""
+        starts = np.array([seq.num_computed for seq, _ in scheduled], dtype=np.int32)
+        counts = np.array([n for _, n in scheduled], dtype=np.int32)
+        ends = starts + counts
+        cu_seqlens_q = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+        samples = np.array([seq.num_computed + n == len(seq.token_ids) for seq, n in scheduled])
+        return Batch(
+            input_ids=np.concatenate([seq.token_ids[a:b] for (seq, _), a, b in zip(scheduled, starts, ends)]).astype(np.int32),
+            positions=(np.arange(cu_seqlens_q[-1]) - np.repeat(cu_seqlens_q[:-1] - starts, counts)).astype(np.int32),
+            slot_mapping=np.concatenate([self.kv.slot_mapping(seq.seq_id, a, b) for (seq, _), a, b in zip(scheduled, starts, ends)]),
+            cu_seqlens_q=cu_seqlens_q,
+            context_lens=ends,
+            block_tables=self.kv.block_table_array([seq.seq_id for seq, _ in scheduled]),
+            logits_idx=(cu_seqlens_q[1:] - 1)[samples].astype(np.int32),
+        ), [seq for (seq, _), s in zip(scheduled, samples) if s]
+
+    def step(self):
+        """One engine step. Returns (request_id, new text, RequestOutput if it just finished else None) per request
+        that produced a token."""
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            return []
+        batch, sampling = self._make_batch(scheduled)
+        logits = self.model.forward(batch, self.kv)  # (R, V)
+        tokens = self._sample(logits, sampling)
+        for seq, n in scheduled:
+            seq.num_computed += n
+        events = []
+        for seq, token, row in zip(sampling, tokens, range(len(sampling))):
+            if seq.logprobs is not None:
+                seq.logprobs.append(self._logprobs(logits[row], int(token), seq.params.logprobs))
+            seq.append(int(token), self.config.n_ctx)
+            if seq.finish_reason:
+                self.scheduler.finish(seq)
+            events.append((seq.seq_id, seq.new_text(), self._output(seq) if seq.finish_reason else None))
+        return events
+
+    def _sample(self, logits, seqs):
+        params = [s.params for s in seqs]
+        return self.backend.sample(
+            logits,
+            np.array([p.temperature for p in params], np.float32),
+            np.array([p.top_k for p in params], np.int32),
+            np.array([p.top_p for p in params], np.float32),
+            np.array([s.seed for s in seqs], np.uint64),
+            np.array([s.num_output for s in seqs], np.int32))
+
+    def _logprobs(self, logits_row, token, k):
+        """Log-probabilities under the model's own distribution (before temperature, top-k and top-p)."""
+        row = self.backend.tohost(logits_row).astype(np.float64)
+        logp = row - row.max()
+        logp -= np.log(np.exp(logp).sum())
+        top = np.argsort(-logp, kind="stable")[:k]
+        return {"token": float(logp[token]), "top": [(int(t), float(logp[t])) for t in top]}
+
+    @staticmethod
+    def _output(seq):
+        return RequestOutput(seq.seq_id, seq.prompt_token_ids, seq.text, seq.output_token_ids,
+                             seq.finish_reason, seq.logprobs)
+
+    def stream(self, prompts, params=None):
+        """Yield (prompt index, new text, RequestOutput once finished else None) as tokens are made. A refused
+        request yields its error output at once; the others carry on."""
+        prompts, params = _as_lists(prompts, params)
+        index = {}
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            try:
+                index[self.add_request(prompt, p)] = i
+            except ValueError as e:
+                yield i, "", RequestOutput(None, [], finish_reason="error", error=str(e))
+        remaining = len(index)
+        while remaining:
+            for rid, delta, out in self.step():
+                if rid in index:
+                    remaining -= out is not None
+                    yield index[rid], delta, out
+
+    def generate(self, prompts, params=None):
+        """Run prompts to completion, continuously batched. One RequestOutput per prompt, in order."""
+        outputs = {}
+        for i, _, out in self.stream(prompts, params):
+            if out is not None:
+                outputs[i] = out
+        return [outputs[i] for i in range(len(outputs))]
+
+
+def _as_lists(prompts, params):
+    single = isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], (int, np.integer)))
+    prompts = [prompts] if single else list(prompts)
+    params = params if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
+    if len(params) != len(prompts):
+        raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts: give one, or one per prompt")
+    return prompts, params

@@ -1,0 +1,75 @@
+"""
+Generate from GPT-2 and stream it to the terminal:  python sample.py --prompt "Once upon a time"
+
+--prompt may repeat: the prompts run together, continuously batched. The first one streams live; each
+later one is printed as soon as the ones before it are done (usually it is finished by then too).
+"""
+import argparse
+import sys
+import time
+
+from nanoinfer import LLM, SamplingParams
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompt", action="append", help="a prompt (repeat for several; empty generates unconditionally)")
+    ap.add_argument("--model", default="gpt2", help="gpt2, gpt2-medium, gpt2-large, gpt2-xl, distilgpt2, or a directory")
+    ap.add_argument("--max-new-tokens", type=int, default=100)
+    ap.add_argument("--temperature", type=float, default=0.8)
+    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--top-p", type=float, default=0.95)
+    ap.add_argument("--seed", type=int, default=None, help="makes the samples reproducible")
+    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    ap.add_argument("--dtype", default=None, choices=["float16", "float32"], help="default: float16 on GPU, float32 on CPU")
+    args = ap.parse_args()
+    prompts = args.prompt or [""]
+    try:
+        params = [SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                                 top_p=args.top_p, seed=None if args.seed is None else args.seed + i)
+                  for i in range(len(prompts))]
+        llm = LLM(args.model, device=args.device, dtype=args.dtype)
+    except (ValueError, RuntimeError, FileNotFoundError) as e:
+        sys.exit(f"error: {e}")
+
+    out = sys.stdout
+    pending = [[] for _ in prompts]  # text of prompts not yet on screen
+    done = [False] * len(prompts)
+    shown = 0  # the prompt streaming live now
+    n_tokens, t_first, t0 = 0, None, time.perf_counter()
+
+    def show_header(i):
+        if len(prompts) > 1:
+            out.write(f"{'' if i == 0 else chr(10) * 2}--- [{i + 1}/{len(prompts)}] ---\n")
+        out.write(prompts[i])
+
+    try:
+        show_header(0)
+        for i, delta, finished in llm.stream(prompts, params):
+            if finished is not None and finished.error:
+                delta = f"[refused: {finished.error}]"
+            else:  # every event is one new token
+                n_tokens += 1
+                t_first = t_first or time.perf_counter()
+            pending[i].append(delta)
+            done[i] = finished is not None
+            while shown < len(prompts):  # print what is ready, in prompt order
+                out.write("".join(pending[shown]))
+                pending[shown].clear()
+                if not done[shown] or shown + 1 == len(prompts):
+                    break
+                shown += 1
+                show_header(shown)
+            out.flush()
+    except KeyboardInterrupt:
+        out.write("\n[interrupted]")
+    out.write("\n")
+    out.flush()
+    dt = time.perf_counter() - t0
+    ttft = f"{(t_first - t0) * 1e3:.0f} ms" if t_first else "-"
+    print(f"[{llm.backend.name}] time to first token {ttft}, {n_tokens} tokens in {dt:.2f} s, "
+          f"{n_tokens / dt:.1f} tokens/s", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""
+Continuous batching: which sequences run in the next engine step, and how many tokens each.
+
+Static batching runs a batch until its longest request is done, so the GPU idles on finished rows. Here a
+request joins as soon as there is room and leaves the moment it finishes; every step is one flat run of
+tokens mixing decodes (one token each) and chunks of prompts (prefill), so every GEMM sees all of them.
+
+Each step, under a token budget (max_num_batched_tokens) and a sequence cap (max_num_seqs):
+  1. running sequences that decode get their one token first, oldest first, so a long prompt never stalls them;
+  2. running sequences still in their prompt get a chunk of it (chunked prefill);
+  3. waiting requests are admitted in arrival order while their first chunk fits.
+When the KV pool has no block for a running sequence, the newest running sequence is preempted: its blocks
+are freed and it waits at the front of the queue to be recomputed from its tokens (prompt + output so far),
+which gives the same tokens as if it had never stopped.
+"""
+import codecs
+from collections import deque
+
+
+class Sequence:
+    """One request: its tokens, how many of them the KV cache holds, and its text so far."""
+
+    def __init__(self, seq_id, prompt_token_ids, params, seed, tokenizer):
+        self.seq_id = seq_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.token_ids = list(prompt_token_ids)  # prompt + output
+        self.params = params
+        self.seed = seed  # makes the samples of this request independent of the rest of the batch
+        self.num_computed = 0  # tokens whose K/V are in the cache
+        self.finish_reason = None
+        self.logprobs = [] if params.logprobs is not None else None
+        self.text = ""
+        self.num_streamed = 0  # characters of text already handed out by stream()
+        self._tokenizer = tokenizer
+        # bytes of one character can be split across tokens: the decoder holds them back until complete
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    @property
+    def output_token_ids(self):
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def num_output(self):
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def num_uncomputed(self):
+        return len(self.token_ids) - self.num_computed
+
+    def append(self, token, n_ctx):
+        """Add a sampled token, grow the text, and decide whether the request is finished."""
+        p = self.params
+        self.token_ids.append(token)
+        is_eos = token == self._tokenizer.eot_token
+        text_before = len(self.text)
+        if not is_eos:
+            self.text += self._utf8.decode(self._tokenizer.token_bytes(token))
+        if p.stop and self._cut_at_stop(text_before):
+            self.finish_reason = "stop"
+            return
+        if is_eos and not p.ignore_eos:
+            self.finish_reason = "stop"
+        elif self.num_output >= p.max_tokens or len(self.token_ids) >= n_ctx:
+            self.finish_reason = "length"
+        if self.finish_reason:
+            self.text += self._utf8.decode(b"", final=True)
+
+    def _cut_at_stop(self, text_before):
+        # a stop string that the new text completed starts at most len(stop) - 1 characters before it
+        start = max(0, text_before - max(map(len, self.params.stop)) + 1)
+        hits = [i for i in (self.text.find(s, start) for s in self.params.stop) if i >= 0]
+        if hits:
+            self.text = self.text[:min(hits)]
+        return bool(hits)
+
+    def new_text(self):
+        """Text not yet streamed. While running, hold back what could still become the start of a stop string."""
+        end = len(self.text)
+        if self.finish_reason is None and self.params.stop:
+            end -= max(map(len, self.params.stop)) - 1
+        if end <= self.num_streamed:
+            return ""
+        delta, self.num_streamed = self.text[self.num_streamed:end], end
+        return delta
+
+
+class Scheduler:
+    def __init__(self, kv, max_num_seqs, max_num_batched_tokens):
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting = deque()
+        self.running = []  # in admission order: the last one is the newest
+        self.num_preemptions = 0
+
+    def add(self, seq):
+        self.waiting.append(seq)
+
+    def has_unfinished(self):
+        return bool(self.waiting or self.running)
+
+    def schedule(self):
+        """Pick this step's work: a list of (sequence, number of its tokens to compute now)."""
+        budget = self.max_num_batched_tokens
+        scheduled = {}
+        decodes = [s for s in self.running if s.num_uncomputed == 1]
+        prefills = [s for s in self.running if s.num_uncomputed > 1]
+        preempted = False
+        for seq in decodes + prefills:
+            if budget == 0:
+                break
+            if seq not in self.running:
+                continue  # preempted earlier in this loop
+            n = min(seq.num_uncomputed, budget)
+            while not self.kv.can_fit(seq.seq_id, seq.num_computed + n):
+                victim = next(s for s in reversed(self.running) if s not in scheduled)
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            if seq in self.running:
+                self.kv.grow(seq.seq_id, seq.num_computed + n)
+                scheduled[seq] = n
+                budget -= n
+        # admit new requests only when nothing had to make room this step, or they would thrash
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+            seq = self.waiting[0]
+            n = min(seq.num_uncomputed, budget)
+            if not self.kv.can_fit(seq.seq_id, n):
+                break
+            self.waiting.popleft()
+            self.running.append(seq)
+            self.kv.grow(seq.seq_id, n)
+            scheduled[seq] = n
+            budget -= n
+        return list(scheduled.items())
+
+    def _preempt(self, seq):
+        """Recompute later: free its blocks, forget its cache, and put it first in line."""
+        self.running.remove(seq)
+        self.kv.free(seq.seq_id)
+        seq.num_computed = 0
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def finish(self, seq):
+        self.running.remove(seq)
+        self.kv.free(seq.seq_id)
