@@ -8,7 +8,9 @@ the continuous-batching scheduler (scheduler.py).
 """
 import json
 import math
+import re
 import sys
+import types
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -171,7 +173,7 @@ class Tokenizer:
 
 def gelu_tanh(x):
     """GPT-2's GELU, the tanh approximation."""
-    return 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x ** 3)))
+    return 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x * x * x)))
 
 
 def uniform(seed, step):
@@ -208,8 +210,9 @@ class NumpyBackend:
     def __init__(self, dtype=np.float32):
         self.dtype = np.dtype(dtype)
 
-    def asarray(self, a, dtype=None):
-        return np.ascontiguousarray(a, dtype=dtype or self.dtype)
+    def asarray(self, a, dtype=None):  # floating arrays take the backend's dtype; integers stay integers
+        a = np.asarray(a)
+        return np.ascontiguousarray(a, dtype=dtype or (self.dtype if a.dtype.kind == "f" else a.dtype))
 
     def tohost(self, a):
         return a
@@ -291,7 +294,268 @@ def make_backend(device, dtype):
 # -----------------------------------------------------------------------------
 # the CUDA backend: the same ops as hand-written kernels (kernels.cu), launched through CuPy
 
-CudaBackend = None  # the next section of this file
+cp = None  # cupy, imported when a CudaBackend is made
+KERNELS_CU = Path(__file__).with_name("kernels.cu")
+TEMPLATES = (["matmul_tc<128>", "matmul_tc<64>"] + [f"matmul_skinny<{mt}>" for mt in (1, 2, 4, 8)] +
+             [f"{k}<{t}>" for t in ("float", "half")
+              for k in ("layernorm", "embed", "cache_write", "attention_rows", "attention_merge")])
+PLAIN = ["matmul_f32", "attention_prefill", "sample_tokens"]
+SPLITK_SCRATCH = 1 << 22  # floats of split-K partial sums (16 MB), enough for every GPT-2 decode shape
+SKINNY_MAX_M = 64     # decode-sized matmuls stream the weights (matmul_skinny) up to this many rows
+PREFILL_MIN_Q = 16    # fp16 sequences with this many queries in a step use the tensor-core attention
+SAMPLE_SMEM = 200 * 1024 + 4 * 1024  # sample_tokens caches a row's p in shared memory up to V = 52224
+_kernels = None       # compiled once per process (and cached on disk by CuPy across processes)
+
+
+def compile_kernels():
+    """Compile kernels.cu once; return {name: cupy.RawKernel}. A compile error names the source lines."""
+    global _kernels
+    if _kernels is None:
+        src = KERNELS_CU.read_text()
+        try:
+            mod = cp.RawModule(code=src, name_expressions=TEMPLATES)  # CuPy adds --std=c++17, sm_90
+            kernels = {name: mod.get_function(name) for name in TEMPLATES + PLAIN}
+        except cp.cuda.compiler.CompileException as e:
+            log, lines = e.get_message(), src.splitlines()
+            where = [f"  kernels.cu:{n}: {lines[int(n) - 1].strip()}"
+                     for n in dict.fromkeys(re.findall(r"\((\d+)\): error", log)) if 0 < int(n) <= len(lines)]
+            raise RuntimeError(f"{KERNELS_CU} failed to compile (NVRTC):\n" + "\n".join(where) +
+                               "\n\nfull compiler log:\n" + log.replace("kern.cu(", "kernels.cu(")) from None
+        for name in ("matmul_tc<128>", "matmul_tc<64>"):  # 3-stage pipeline needs > 48 KB of shared memory
+            kernels[name].max_dynamic_shared_size_bytes = _tc_smem(int(name[10:-1]))
+        kernels["sample_tokens"].max_dynamic_shared_size_bytes = SAMPLE_SMEM  # p of a whole row
+        _kernels = kernels
+    return _kernels
+
+
+def _tc_smem(bm):
+    return 3 * (bm + 128) * 72 * 2  # STAGES * (BM + BN) rows * LD halves * 2 bytes
+
+
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+class CudaBackend:
+    """The numpy backend's ops as hand-written kernels. Arrays are CuPy arrays; kernels get bare pointers, so
+    each op makes sure its inputs are contiguous (or row-strided views with contiguous heads, for q/k/v in
+    the qkv output) and passes every scalar as np.int32 / np.float32 (a Python float would arrive as a double)."""
+    name = "cuda"
+
+    def __init__(self, dtype=np.float16):
+        global cp
+        import cupy as cp
+        self.dtype = np.dtype(dtype)
+        if self.dtype not in (np.float16, np.float32):
+            raise ValueError(f"CudaBackend: dtype must be float16 or float32, got {self.dtype}")
+        self.xp = cp
+        self.k = compile_kernels()
+        self.t = "half" if self.dtype == np.float16 else "float"
+        self.vec = 16 // self.dtype.itemsize  # elements per 16-byte vector
+        self.num_sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+        self.fuse = True  # False runs bias, GELU and residual adds as separate elementwise kernels
+        # split-K scratch, allocated once: a CUDA graph keeps pointers, so nothing it uses may move later
+        self._counters = cp.zeros(1024, np.int32)  # split-K arrival counters (self-resetting)
+        self._partial = cp.empty(SPLITK_SCRATCH, np.float32)  # split-K partial sums
+
+    # ---- arrays -------------------------------------------------------------------------------
+    def asarray(self, a, dtype=None):  # floating arrays take the backend's dtype, as in NumpyBackend
+        a = np.asarray(a) if not isinstance(a, cp.ndarray) else a
+        return cp.ascontiguousarray(a, dtype=dtype or (self.dtype if a.dtype.kind == "f" else a.dtype))
+
+    def tohost(self, a):
+        return cp.asnumpy(a)
+
+    def empty(self, shape, dtype=None):  # every op allocates its output here (tests poison it)
+        return cp.empty(shape, dtype=self.dtype if dtype is None else dtype)
+
+    def zeros(self, shape, dtype=None):
+        return cp.zeros(shape, dtype=self.dtype if dtype is None else dtype)
+
+    def memory_info(self):
+        return cp.cuda.runtime.memGetInfo()  # (free, total) bytes
+
+    def _ready(self, a, dtype=None):
+        """a as a C-contiguous, 16-byte-aligned cupy array of `dtype` (default: the backend's)."""
+        a = cp.asarray(a, dtype=self.dtype if dtype is None else dtype)
+        return a if a.flags.c_contiguous and a.data.ptr % 16 == 0 else a.copy()
+
+    def _rows(self, a):
+        """(a, row stride in elements) for a (T, H, D) array whose heads are contiguous within a token
+        (q, k, v as views into the qkv matmul output need no copy); anything else is copied."""
+        a = cp.asarray(a, dtype=self.dtype)
+        D, isz = a.shape[2], a.itemsize
+        if a.strides[1:] != (D * isz, isz) or a.strides[0] % 16 or a.data.ptr % 16:
+            a = a.copy()
+        return a, a.strides[0] // isz
+
+    # ---- ops ----------------------------------------------------------------------------------
+    def embed(self, wte, wpe, input_ids, positions):
+        ids, pos = self._ready(input_ids, np.int32), self._ready(positions, np.int32)
+        C = wte.shape[1]
+        assert C % self.vec == 0, f"embed: C={C} must be a multiple of {self.vec}"
+        out = self.empty((ids.shape[0], C))
+        if ids.shape[0]:
+            self.k[f"embed<{self.t}>"]((ids.shape[0],), (128,), (self._ready(wte), self._ready(wpe), ids, pos, out,
+                                                                 np.int32(C)))
+        return out
+
+    def layernorm(self, x, w, b, eps, residual=None):
+        if not self.fuse and residual is not None:  # unfused: the add is its own pass over memory
+            residual += x
+            return self.layernorm(residual, w, b, eps)
+        x = self._ready(x)
+        T, C = x.shape
+        assert C % self.vec == 0 and C <= 2048, f"layernorm: C={C} must be a multiple of {self.vec} and <= 2048"
+        if residual is not None:
+            assert residual.flags.c_contiguous and residual.dtype == self.dtype and residual.data.ptr % 16 == 0, \
+                "layernorm: residual is updated in place, so it must be a C-contiguous array of the backend dtype"
+        y = self.empty((T, C))
+        if T:
+            self.k[f"layernorm<{self.t}>"]((_cdiv(T, 4),), (128,), (x, 0 if residual is None else residual,
+                                                                    self._ready(w), self._ready(b), y, np.int32(T),
+                                                                    np.int32(C), np.float32(eps)))
+        return y
+
+    def matmul(self, x, w, bias=None, gelu=False, residual=None, out_dtype=None):
+        if not self.fuse and (bias is not None or gelu or residual is not None):
+            # the unfused path, to measure what fusion saves: each epilogue step is one more pass over y
+            y = self.matmul(x, w)
+            if bias is not None:
+                y += bias
+            if gelu:
+                y = cp.ElementwiseKernel("T x", "T y", "float v = x; y = 0.5f * v * (1.f + tanhf(0.7978845608f * "
+                                         "(v + 0.044715f * v * v * v)))", "gelu_tanh")(y)
+            if residual is not None:
+                y += residual
+            return y if out_dtype is None else y.astype(out_dtype)
+        x, w = self._ready(x), self._ready(w)
+        M, K = x.shape
+        N = w.shape[0]
+        if w.shape[1] != K:
+            raise ValueError(f"matmul: x is (M, K) = {x.shape} but w is {w.shape}, expected (N, {K})")
+        if self.dtype == np.float16 and K % 8:
+            raise ValueError(f"matmul: K={K} must be a multiple of 8 (rows are read as 16-byte vectors)")
+        y = self.empty((M, N))
+        if M == 0 or N == 0:
+            return y
+        bias = 0 if bias is None else self._ready(bias)
+        residual = 0 if residual is None else self._ready(residual)
+        args = (x, w, bias, residual, y, np.int32(M), np.int32(N), np.int32(K), np.int32(bool(gelu)))
+        if self.dtype == np.float32:
+            self.k["matmul_f32"]((_cdiv(N, 64), _cdiv(M, 64)), (256,), args)
+        elif M <= 16 or (M <= SKINNY_MAX_M and _cdiv(N, 128) < self.num_sms):
+            # decode: stream w (each block re-reads all of x, so for M > 16 only while the tiled
+            # kernel would leave SMs idle; the 64 x 50257 lm_head goes to the tiles)
+            mt = 1 if M <= 8 else 2 if M <= 16 else 4 if M <= 32 else 8
+            blocks_n, chunks = _cdiv(N, 16), _cdiv(K, 64)
+            # too few blocks to fill the SMs: split K over blocks too (up to ~2 blocks per SM), keeping
+            # >= 16 chunks of 64 per split (4 per warp) and, for larger M, no more partial-sum traffic
+            # than the weights themselves
+            splits = 1
+            if blocks_n < self.num_sms:
+                splits = max(1, min(_cdiv(2 * self.num_sms, blocks_n), chunks // 16, K // (4 * M)))
+            splits = max(1, min(splits, SPLITK_SCRATCH // (M * N)))
+            if blocks_n > self._counters.size:
+                splits = 1
+            k_per_split = _cdiv(chunks, splits) * 64
+            splits = _cdiv(K, k_per_split)
+            self.k[f"matmul_skinny<{mt}>"]((blocks_n, splits), (128,),
+                                           args + (np.int32(k_per_split), self._partial, self._counters))
+        else:
+            bm = 128 if M > 64 and _cdiv(M, 128) * _cdiv(N, 128) >= self.num_sms else 64
+            self.k[f"matmul_tc<{bm}>"]((_cdiv(N, 128), _cdiv(M, bm)), (256,), args, shared_mem=_tc_smem(bm))
+        return y if out_dtype is None else y.astype(out_dtype)
+
+    def cache_write(self, k, v, k_cache, v_cache, slot_mapping):
+        (k, ks), (v, vs) = self._rows(k), self._rows(v)
+        T, H, D = k.shape
+        slots = self._ready(slot_mapping, np.int32)
+        if T:
+            self.k[f"cache_write<{self.t}>"]((T,), (128,), (k, v, np.int32(ks), np.int32(vs), k_cache, v_cache,
+                                                            slots, np.int32(H * D)))
+
+    def to_device(self, batch):
+        """The batch's arrays on the GPU, plus the attention launch plan, built with numpy (no
+        per-token Python loops): query rows that go to the row kernel (decode; every row in fp32) and
+        64-query tiles of the sequences that go to the tensor-core prefill kernel."""
+        d = types.SimpleNamespace()
+        for f in ("input_ids", "positions", "slot_mapping", "cu_seqlens_q", "context_lens", "block_tables",
+                  "logits_idx"):
+            if getattr(batch, f, None) is not None:
+                setattr(d, f, cp.asarray(np.ascontiguousarray(getattr(batch, f), dtype=np.int32)))
+        cu = np.asarray(batch.cu_seqlens_q, np.int64)
+        ctx = np.asarray(batch.context_lens, np.int64)
+        n_q = np.diff(cu)
+        if self.dtype == np.float16:
+            tiled = n_q >= PREFILL_MIN_Q
+        else:
+            tiled = np.zeros(len(n_q), bool)
+        # row plan: every query of the untiled sequences is one row
+        rs = np.nonzero(~tiled & (n_q > 0))[0]
+        counts = n_q[rs]
+        row_seq = np.repeat(rs, counts)
+        offs = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+        row_len = ctx[row_seq] - n_q[row_seq] + offs + 1  # keys visible to this query
+        d.n_rows = len(row_seq)
+        d.max_row_len = int(row_len.max()) if d.n_rows else 0
+        d.row_q = cp.asarray((cu[row_seq] + offs).astype(np.int32))
+        d.row_seq = cp.asarray(row_seq.astype(np.int32))
+        d.row_len = cp.asarray(row_len.astype(np.int32))
+        # tile plan: 64-query tiles, the longest (most keys) first so they do not finish last
+        ts = np.nonzero(tiled)[0]
+        ntile = _cdiv(n_q[ts], 64)
+        tile_seq = np.repeat(ts, ntile)
+        tile_q0 = (np.arange(ntile.sum()) - np.repeat(np.cumsum(ntile) - ntile, ntile)) * 64
+        order = np.argsort(-(ctx[tile_seq] - n_q[tile_seq] + tile_q0), kind="stable")
+        d.n_tiles = len(tile_seq)
+        d.tile_seq = cp.asarray(tile_seq[order].astype(np.int32))
+        d.tile_q0 = cp.asarray(tile_q0[order].astype(np.int32))
+        return d
+
+    def attention(self, q, k_cache, v_cache, batch, scale):
+        q, qs = self._rows(q)
+        T, H, D = q.shape
+        if D != 64:
+            raise NotImplementedError(f"attention: the kernels are written for head_dim 64 (every GPT-2), got {D}")
+        out = self.empty((T, H, D))
+        block_size, max_blocks = k_cache.shape[1], batch.block_tables.shape[1]
+        scale_log2 = np.float32(scale * math.log2(math.e))
+        common = (batch.block_tables, np.int32(max_blocks), np.int32(block_size))
+        if batch.n_tiles:
+            self.k["attention_prefill"]((batch.n_tiles, H), (128,),
+                                        (q, np.int32(qs), k_cache, v_cache) + common +
+                                        (batch.cu_seqlens_q, batch.context_lens, batch.tile_seq, batch.tile_q0,
+                                         np.int32(H), scale_log2, out))
+        if batch.n_rows:
+            # flash-decoding: split the context until there are ~4 blocks per SM, >= 32 keys per split
+            nsplit = max(1, min(_cdiv(4 * self.num_sms, batch.n_rows * H), _cdiv(batch.max_row_len, 32)))
+            part_o = cp.empty(batch.n_rows * H * nsplit * 64 if nsplit > 1 else 0, np.float32)
+            part_lse = cp.empty(batch.n_rows * H * nsplit if nsplit > 1 else 0, np.float32)
+            self.k[f"attention_rows<{self.t}>"]((batch.n_rows, H, nsplit), (128,),
+                                               (q, np.int32(qs), k_cache, v_cache) + common +
+                                               (batch.row_q, batch.row_seq, batch.row_len, np.int32(H), scale_log2,
+                                                out, part_o, part_lse))
+            if nsplit > 1:
+                self.k[f"attention_merge<{self.t}>"]((batch.n_rows, H), (64,),
+                                                    (part_o, part_lse, batch.row_q, np.int32(H), np.int32(nsplit), out))
+        return out
+
+    def sample_device(self, logits, temperature, top_k, top_p, seed, step):
+        """sample() without the copy back: the (R,) int32 token ids on the GPU."""
+        logits = self._ready(logits, np.float32)
+        R, V = logits.shape
+        tokens = self.empty((R,), np.int32)
+        if R:
+            cache = V * 4 <= SAMPLE_SMEM
+            self.k["sample_tokens"]((R,), (1024,), (logits, np.int32(V), self._ready(temperature, np.float32),
+                                                    self._ready(top_k, np.int32), self._ready(top_p, np.float32),
+                                                    self._ready(seed, np.uint64), self._ready(step, np.int32), tokens,
+                                                    np.int32(cache)), shared_mem=V * 4 if cache else 0)
+        return tokens
+
+    def sample(self, logits, temperature, top_k, top_p, seed, step):
+        return cp.asnumpy(self.sample_device(logits, temperature, top_k, top_p, seed, step)).astype(np.int64)
 
 # -----------------------------------------------------------------------------
 # GPT-2 over one flat batch of tokens
@@ -316,9 +580,12 @@ class GPT:
 
     def forward(self, batch, kv):
         """Logits (R, V), float32, for the rows batch.logits_idx; writes every token's K/V into the cache."""
+        return self.forward_on_device(self.backend.to_device(batch), kv)
+
+    def forward_on_device(self, d, kv):
+        """forward() on a batch already on the backend (what backend.to_device made of it)."""
         be, w, c = self.backend, self.w, self.config
-        d = be.to_device(batch)
-        T, C, H, D = len(batch.input_ids), c.n_embd, c.n_head, c.head_dim
+        T, C, H, D = len(d.input_ids), c.n_embd, c.n_head, c.head_dim
         h = be.embed(w["wte.weight"], w["wpe.weight"], d.input_ids, d.positions)  # (T, C) the residual stream
         y = be.layernorm(h, w["h.0.ln_1.weight"], w["h.0.ln_1.bias"], c.eps)
         for i in range(c.n_layer):
@@ -337,6 +604,75 @@ class GPT:
         # only the rows that sample need the last layernorm and the 50257-wide lm_head
         y = be.layernorm(h[d.logits_idx], w["ln_f.weight"], w["ln_f.bias"], c.eps)  # (R, C)
         return be.matmul(y, w["wte.weight"], out_dtype=np.float32)  # (R, V), tied to the embedding
+
+class DecodeGraph:
+    """A decode step of up to B sequences replayed from one CUDA graph: the ~100 kernel launches of a step
+    cost one launch instead of ~7 us of Python and driver time each. A graph freezes every pointer and scalar
+    it was captured with, so the step's inputs live in one fixed buffer (a step costs one host-to-device copy),
+    attention is planned for the longest context (its kernels stop at each row's real length), unused rows
+    are padding (cache slot -1, never written), and the activations come from a private memory pool that
+    nothing else allocates from, so their addresses stay the graph's."""
+
+    def __init__(self, model, kv, B):
+        be, c = model.backend, model.config
+        self.B, max_blocks = B, -(-c.n_ctx // kv.block_size)
+        fields = [("seed", 2 * B), ("temperature", B), ("top_p", B), ("top_k", B), ("step", B), ("input_ids", B),
+                  ("positions", B), ("slot_mapping", B), ("context_lens", B), ("block_tables", B * max_blocks)]
+        self.host = np.zeros(sum(n for _, n in fields), np.int32)  # (all fields,) in one int32 buffer
+        self.pool = cp.cuda.MemoryPool()
+        with cp.cuda.using_allocator(self.pool.malloc):
+            self.dev = cp.zeros_like(self.host)
+            self.h, self.d, start = {}, {}, 0
+            for name, n in fields:
+                self.h[name], self.d[name] = self.host[start:start + n], self.dev[start:start + n]
+                start += n
+            arange = cp.arange(B + 1, dtype=np.int32)
+            self.batch = types.SimpleNamespace(  # the fields CudaBackend.to_device makes, for B decode rows
+                input_ids=self.d["input_ids"], positions=self.d["positions"], slot_mapping=self.d["slot_mapping"],
+                context_lens=self.d["context_lens"], block_tables=self.d["block_tables"].reshape(B, max_blocks),
+                cu_seqlens_q=arange, logits_idx=arange[:B], n_rows=B, max_row_len=c.n_ctx, row_q=arange[:B],
+                row_seq=arange[:B], row_len=self.d["context_lens"], n_tiles=0, tile_seq=arange[:0], tile_q0=arange[:0])
+            self._fill(0, [], [], [], np.zeros((0, 1), np.int32), [], [], [], [], [])
+            self.dev.set(self.host)
+            self.stream = cp.cuda.Stream(non_blocking=True)
+            with self.stream:
+                self._step(model, kv)  # warm-up: the first launches and allocations stay out of the capture
+                self.stream.synchronize()
+                self.stream.begin_capture()
+                self.tokens = self._step(model, kv)
+                self.graph = self.stream.end_capture()
+        self.graph.upload(self.stream)
+
+    def _step(self, model, kv):
+        d, b = self.d, self.batch
+        logits = model.forward_on_device(b, kv)
+        return model.backend.sample_device(logits, d["temperature"].view(np.float32), d["top_k"],
+                                           d["top_p"].view(np.float32), d["seed"].view(np.uint64), d["step"])
+
+    def _fill(self, n, input_ids, positions, slot_mapping, block_tables, temperature, top_k, top_p, seed, step):
+        h = self.h
+        for name, values, pad in (("input_ids", input_ids, 0), ("positions", positions, 0),
+                                  ("slot_mapping", slot_mapping, -1), ("context_lens", positions, 0),
+                                  ("top_k", top_k, 0), ("step", step, 0)):
+            h[name][:n], h[name][n:] = values, pad
+        h["context_lens"][:n] += 1  # a decode token at position p sees p + 1 keys; padding sees 1
+        h["context_lens"][n:] = 1
+        h["temperature"].view(np.float32)[:n], h["temperature"][n:] = temperature, 0  # padding is greedy
+        h["top_p"].view(np.float32)[:n], h["top_p"].view(np.float32)[n:] = top_p, 1
+        h["seed"].view(np.uint64)[:n], h["seed"].view(np.uint64)[n:] = seed, 0
+        tables = h["block_tables"].reshape(self.B, -1)
+        tables[:] = 0
+        tables[:n, :block_tables.shape[1]] = block_tables
+
+    def run(self, batch, temperature, top_k, top_p, seed, step):
+        """Sampled tokens of a decode-only batch of at most B sequences, as numpy."""
+        n = len(batch.input_ids)
+        self._fill(n, batch.input_ids, batch.positions, batch.slot_mapping, batch.block_tables,
+                   temperature, top_k, top_p, seed, step)
+        self.dev.set(self.host, stream=self.stream)
+        self.graph.launch(self.stream)
+        return self.tokens[:n].get(stream=self.stream).astype(np.int64)
+
 
 # -----------------------------------------------------------------------------
 # sampling parameters and outputs, with the names vLLM users know
@@ -388,13 +724,20 @@ class RequestOutput:
 # the engine: schedule, run one flat batch, sample, stream
 
 
+GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # decode batch sizes that get a CUDA graph each
+
+
 class LLM:
     def __init__(self, model, device="auto", dtype=None, block_size=16, max_num_seqs=256,
-                 max_num_batched_tokens=2048, num_kv_tokens=None, gpu_memory_utilization=0.9, seed=0):
+                 max_num_batched_tokens=2048, num_kv_tokens=None, gpu_memory_utilization=0.9, seed=0,
+                 cuda_graphs=True, fused=True):
         path = resolve_model(model)
         self.config = c = load_config(path)
         self.tokenizer = Tokenizer(path)
         self.backend = make_backend(device, dtype)
+        self.backend.fuse = fused  # the switches that measure two lessons: fusion, and launch overhead
+        self.cuda_graphs = cuda_graphs and self.backend.name == "cuda"
+        self._graphs = {}  # batch-size bucket -> DecodeGraph, captured on first use
         self.model = GPT(c, load_weights(path, c), self.backend)
         if num_kv_tokens is None:
             num_kv_tokens = self._kv_tokens_that_fit(gpu_memory_utilization)
@@ -413,7 +756,7 @@ class LLM:
         else:
             free, total = self.backend.memory_info()
             budget = total * fraction - (total - free)
-            budget -= 64 * max(c.vocab_size, 4 * c.n_embd) * 4 * 8  # room for a step's activations and logits
+            budget -= 2 ** 30  # room for a step's activations and logits, and the CUDA graphs' own
         if budget < per_token * c.n_ctx:
             raise RuntimeError(f"the KV cache would hold only {int(max(budget, 0) // per_token)} tokens, less than one "
                                f"full context ({c.n_ctx}): raise gpu_memory_utilization or pass num_kv_tokens")
@@ -471,8 +814,13 @@ class LLM:
         if not scheduled:
             return []
         batch, sampling = self._make_batch(scheduled)
-        logits = self.model.forward(batch, self.kv)  # (R, V)
-        tokens = self._sample(logits, sampling)
+        params = self._sampling_arrays(sampling)
+        graph = self._decode_graph(batch, sampling)
+        if graph is not None:
+            tokens = graph.run(batch, *params)
+        else:
+            logits = self.model.forward(batch, self.kv)  # (R, V)
+            tokens = self.backend.sample(logits, *params)
         for seq, n in scheduled:
             seq.num_computed += n
         events = []
@@ -485,15 +833,25 @@ class LLM:
             events.append((seq.seq_id, seq.new_text(), self._output(seq) if seq.finish_reason else None))
         return events
 
-    def _sample(self, logits, seqs):
+    def _decode_graph(self, batch, sampling):
+        """The CUDA graph for this step if every sequence decodes one token (and none wants logprobs)."""
+        n = len(batch.input_ids)
+        if not self.cuda_graphs or n != len(sampling) or n > GRAPH_BUCKETS[-1] or \
+                any(s.logprobs is not None for s in sampling):
+            return None
+        B = next(b for b in GRAPH_BUCKETS if b >= n)
+        if B not in self._graphs:
+            self._graphs[B] = DecodeGraph(self.model, self.kv, B)
+        return self._graphs[B]
+
+    @staticmethod
+    def _sampling_arrays(seqs):
         params = [s.params for s in seqs]
-        return self.backend.sample(
-            logits,
-            np.array([p.temperature for p in params], np.float32),
-            np.array([p.top_k for p in params], np.int32),
-            np.array([p.top_p for p in params], np.float32),
-            np.array([s.seed for s in seqs], np.uint64),
-            np.array([s.num_output for s in seqs], np.int32))
+        return (np.array([p.temperature for p in params], np.float32),
+                np.array([p.top_k for p in params], np.int32),
+                np.array([p.top_p for p in params], np.float32),
+                np.array([s.seed for s in seqs], np.uint64),
+                np.array([s.num_output for s in seqs], np.int32))  # the index of the token being sampled
 
     def _logprobs(self, logits_row, token, k):
         """Log-probabilities under the model's own distribution (before temperature, top-k and top-p)."""

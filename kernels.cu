@@ -1,0 +1,778 @@
+// kernels.cu -- every hand-written CUDA kernel of nanoinfer.
+//
+// Compiled at run time by cupy.RawModule (NVRTC, sm_90); CI compiles it with `nvcc -arch=sm_90 -c`.
+// Storage is fp16 ("half") or fp32 (the exact-comparison path); accumulation, statistics and softmax
+// are always fp32. Matmul weights are (N, K) row-major, so y = x @ w.T reads both operands along K:
+// the tensor cores' "row.col" case, no transposes anywhere. The KV cache is
+// (num_blocks, block_size, H, 64): one slot is one token's K (or V) for all heads, contiguous.
+// No toolkit header but cuda_fp16.h: tensor cores, ldmatrix and cp.async are inline PTX.
+
+#include <cuda_fp16.h>
+
+#define NEG_INF __int_as_float(0xff800000)
+#define FULL_MASK 0xffffffffu
+
+// ---------------------------------------------------------------------------------------------
+// small helpers
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(half x) { return __half2float(x); }
+template <typename T> __device__ __forceinline__ T from_float(float x);
+template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <> __device__ __forceinline__ half from_float<half>(float x) { return __float2half_rn(x); }
+
+// 16-byte vectors: the unit of every load and store in the memory-bound kernels
+__device__ __forceinline__ uint4 load16(const void* p) { return *reinterpret_cast<const uint4*>(p); }
+__device__ __forceinline__ void store16(void* p, uint4 v) { *reinterpret_cast<uint4*>(p) = v; }
+// weights are read exactly once per matmul: do not let them push x out of L1
+__device__ __forceinline__ uint4 load16_stream(const void* p) {
+    uint4 r;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+        : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+    return r;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(FULL_MASK, v, off);
+    return v;
+}
+
+__device__ __forceinline__ float gelu_tanh(float x) {
+    return 0.5f * x * (1.f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x)));
+}
+
+// the fused matmul epilogue, in fp32 before the single rounding to the output type
+template <typename T>
+__device__ __forceinline__ float epilogue(float acc, const T* bias, const T* residual, int gelu,
+                                          int m, int n, int N) {
+    if (bias) acc += to_float(bias[n]);
+    if (gelu) acc = gelu_tanh(acc);
+    if (residual) acc += to_float(residual[(long)m * N + n]);
+    return acc;
+}
+
+// tensor-core building blocks (inline PTX: NVRTC needs no mma.h)
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+    unsigned a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+// 16 bytes global -> shared without passing through registers; src_bytes 0 writes zeros (tile edges)
+__device__ __forceinline__ void cp_async16(unsigned dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory");
+}
+__device__ __forceinline__ void ldmatrix_x4(unsigned* r, unsigned addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned* r, unsigned addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+// c (16x8 fp32) += a (16x16 fp16, row) * b (16x8 fp16, col). Thread (g = lane/4, t = lane%4) holds
+// a: (g, 2t..2t+1) (g+8, 2t..) (g, 2t+8..) (g+8, 2t+8..); b: (2t.., g) (2t+8.., g);
+// c: (g, 2t) (g, 2t+1) (g+8, 2t) (g+8, 2t+1).
+__device__ __forceinline__ void mma16816(float* c, const unsigned* a, const unsigned* b) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+__device__ __forceinline__ unsigned pack_half2(float lo, float hi) {
+    half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<unsigned*>(&h);
+}
+
+// ---------------------------------------------------------------------------------------------
+// matmul_tc: y (M,N) = epilogue(x (M,K) @ w (N,K)^T), fp16 in and out, fp32 accumulation.
+// Compute-bound at prefill sizes: 2*M*N*K FLOPs over (M*K + N*K + M*N) * 2 bytes. A block of 8 warps
+// owns a BM x 128 tile of y (warps 2 x 4, each BM/2 x 32); K goes by 64 through a 3-stage cp.async
+// pipeline, so two tiles are in flight while the tensor cores chew on the third. Shared rows are
+// padded to 72 halves (144 bytes): the 8 rows an ldmatrix phase reads fall in 8 different bank groups.
+// Edges: rows past M or N and 16-byte chunks past K are zero-filled by cp.async, so K only has to be
+// a multiple of 8. Bias, GELU and the residual add happen on the fp32 accumulators.
+template <int BM>
+__global__ void __launch_bounds__(256) matmul_tc(const half* __restrict__ x, const half* __restrict__ w,
+                                                 const half* __restrict__ bias, const half* __restrict__ residual,
+                                                 half* __restrict__ y,
+                                                 int M, int N, int K, int gelu) {
+    constexpr int BN = 128, BK = 64, LD = BK + 8, STAGES = 3, WM = BM / 2, MI = WM / 16;
+    extern __shared__ __align__(16) unsigned char smem[];
+    half* As = reinterpret_cast<half*>(smem);  // [STAGES][BM][LD]
+    half* Bs = As + STAGES * BM * LD;          // [STAGES][BN][LD]
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wm = warp >> 2, wn = warp & 3;
+    const int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN, ktiles = (K + BK - 1) / BK;
+
+    auto load_tile = [&](int stage, int kt) {
+        for (int c = tid; c < (BM + BN) * 8; c += 256) {  // 8 chunks of 8 halves per 64-wide row
+            bool is_a = c < BM * 8;
+            int r = (is_a ? c : c - BM * 8) >> 3, col = (c & 7) * 8, k = kt * BK + col;
+            int row = (is_a ? m0 : n0) + r, rows = is_a ? M : N;
+            const half* src = is_a ? x : w;
+            bool ok = row < rows && k < K;
+            half* dst = is_a ? As + (stage * BM + r) * LD + col : Bs + (stage * BN + r) * LD + col;
+            cp_async16(smem_addr(dst), ok ? src + (long)row * K + k : src, ok);
+        }
+    };
+
+    float acc[MI][4][4] = {};
+    for (int s = 0; s < STAGES - 1; s++) {
+        if (s < ktiles) load_tile(s, s);
+        cp_async_commit();
+    }
+    for (int kt = 0; kt < ktiles; kt++) {
+        cp_async_wait<STAGES - 2>();
+        __syncthreads();  // tile kt has landed, and everyone is done reading the stage we refill next
+        if (kt + STAGES - 1 < ktiles) load_tile((kt + STAGES - 1) % STAGES, kt + STAGES - 1);
+        cp_async_commit();
+        const half* a_s = As + (kt % STAGES) * BM * LD;
+        const half* b_s = Bs + (kt % STAGES) * BN * LD;
+#pragma unroll
+        for (int kk = 0; kk < BK; kk += 16) {
+            unsigned a[MI][4], b[4][2];
+#pragma unroll
+            for (int i = 0; i < MI; i++)
+                ldmatrix_x4(a[i], smem_addr(a_s + (wm * WM + i * 16 + (lane & 15)) * LD + kk + (lane >> 4) * 8));
+#pragma unroll
+            for (int j = 0; j < 2; j++) {  // one x4 = two n8 tiles x k16 of w
+                unsigned r[4];
+                int row = wn * 32 + j * 16 + (lane & 7) + ((lane >> 4) << 3);
+                ldmatrix_x4(r, smem_addr(b_s + row * LD + kk + ((lane >> 3) & 1) * 8));
+                b[2 * j][0] = r[0]; b[2 * j][1] = r[1]; b[2 * j + 1][0] = r[2]; b[2 * j + 1][1] = r[3];
+            }
+#pragma unroll
+            for (int i = 0; i < MI; i++)
+#pragma unroll
+                for (int j = 0; j < 4; j++) mma16816(acc[i][j], a[i], b[j]);
+        }
+    }
+
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int i = 0; i < MI; i++)
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+#pragma unroll
+            for (int hf = 0; hf < 2; hf++) {
+                int row = m0 + wm * WM + i * 16 + g + hf * 8, col = n0 + wn * 32 + j * 8 + 2 * t;
+                if (row >= M) continue;
+                float v0 = epilogue(acc[i][j][2 * hf], bias, residual, gelu, row, col, N);
+                if (col + 1 < N && (N & 1) == 0) {
+                    float v1 = epilogue(acc[i][j][2 * hf + 1], bias, residual, gelu, row, col + 1, N);
+                    *reinterpret_cast<half2*>(y + (long)row * N + col) = __floats2half2_rn(v0, v1);
+                } else {
+                    if (col < N) y[(long)row * N + col] = __float2half_rn(v0);
+                    if (col + 1 < N)
+                        y[(long)row * N + col + 1] = __float2half_rn(
+                            epilogue(acc[i][j][2 * hf + 1], bias, residual, gelu, row, col + 1, N));
+                }
+            }
+}
+
+// ---------------------------------------------------------------------------------------------
+// matmul_skinny: the same y = epilogue(x @ w.T) for decode, M <= 8*MT <= 64 rows of x.
+// Memory-bound: 2*M*N*K FLOPs over N*K*2 bytes of weights, which must stream at full bandwidth; a
+// 128-row tile would be mostly empty. A block owns 16 rows of w and uses the tensor cores with the
+// roles swapped: w is the mma's A (16 x k16), 8 rows of x are its B. A dot product does not care in
+// which order k is summed, so each thread feeds the mma the 8 consecutive k it fetched with one
+// 16-byte load (of w and of x, the same k for both) instead of the fragment layout's scattered pairs:
+// no shared memory on the way in, w read once. The block's 4 warps take interleaved 64-wide chunks of
+// K, each issuing the loads of U chunks before its first mma (bytes in flight hide HBM latency), and
+// add up their sums in shared memory. When N alone gives too few blocks (768 x 3072), K is also split
+// across blockIdx.y: partial sums go to `partial`, and the last block of each column (a counter in
+// global memory) adds them up and runs the epilogue (and resets the counter for the next launch).
+template <int MT>
+__global__ void __launch_bounds__(128) matmul_skinny(const half* __restrict__ x, const half* __restrict__ w,
+                                                     const half* __restrict__ bias, const half* __restrict__ residual,
+                                                     half* __restrict__ y,
+                                                     int M, int N, int K, int gelu, int k_per_split,
+                                                     float* partial, int* counters) {
+    constexpr int U = MT >= 4 ? 2 : 4;  // chunks per warp step: bytes in flight vs registers
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3, n0 = blockIdx.x * 16;
+    const int k_begin = blockIdx.y * k_per_split, k_end = min(K, k_begin + k_per_split);
+    // rows past N read a valid row and compute garbage that is never stored
+    const half* w0 = w + (long)min(n0 + g, N - 1) * K;
+    const half* w1 = w + (long)min(n0 + g + 8, N - 1) * K;
+    const uint4 zero = make_uint4(0, 0, 0, 0);
+    float acc[MT][4] = {};
+    for (int k = k_begin + warp * 64; k < k_end; k += 4 * 64 * U) {  // chunk u of this step: k + 256 u
+        uint4 a0[U][2], a1[U][2];
+#pragma unroll
+        for (int u = 0; u < U; u++)
+#pragma unroll
+            for (int hf = 0; hf < 2; hf++) {
+                int kk = k + 256 * u + 32 * hf + 8 * t;
+                a0[u][hf] = kk < k_end ? load16_stream(w0 + kk) : zero;
+                a1[u][hf] = kk < k_end ? load16_stream(w1 + kk) : zero;
+            }
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            uint4 xv[MT][2];  // all loads first: one L2 round trip per chunk, not one per token tile
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+                for (int hf = 0; hf < 2; hf++) {
+                    int kk = k + 256 * u + 32 * hf + 8 * t, row = mt * 8 + g;
+                    xv[mt][hf] = (kk < k_end && row < M) ? load16(x + (long)row * K + kk) : zero;
+                }
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+                for (int hf = 0; hf < 2; hf++) {
+                    unsigned A0[4] = {a0[u][hf].x, a1[u][hf].x, a0[u][hf].y, a1[u][hf].y};
+                    unsigned A1[4] = {a0[u][hf].z, a1[u][hf].z, a0[u][hf].w, a1[u][hf].w};
+                    unsigned B0[2] = {xv[mt][hf].x, xv[mt][hf].y}, B1[2] = {xv[mt][hf].z, xv[mt][hf].w};
+                    mma16816(acc[mt], A0, B0);
+                    mma16816(acc[mt], A1, B1);
+                }
+        }
+    }
+    __shared__ float red[4][MT * 4][32];
+#pragma unroll
+    for (int i = 0; i < MT * 4; i++) red[warp][i][lane] = acc[i / 4][i % 4];
+    __syncthreads();
+    if (warp != 0) return;
+#pragma unroll
+    for (int i = 0; i < MT * 4; i++) acc[i / 4][i % 4] = red[0][i][lane] + red[1][i][lane] + red[2][i][lane] + red[3][i][lane];
+    // acc[mt][e] is y[m = mt*8 + 2t + (e&1)][n = n0 + g + 8*(e>>1)]
+    if (gridDim.y > 1) {
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                int m = mt * 8 + 2 * t + (e & 1), n = n0 + g + 8 * (e >> 1);
+                if (m < M && n < N) partial[((long)blockIdx.y * M + m) * N + n] = acc[mt][e];
+            }
+        __threadfence();
+        __syncwarp();
+        int last = 0;
+        if (lane == 0) {
+            last = atomicAdd(&counters[blockIdx.x], 1) == (int)gridDim.y - 1;
+            if (last) counters[blockIdx.x] = 0;
+        }
+        if (!__shfl_sync(FULL_MASK, last, 0)) return;
+        __threadfence();
+        for (int sp = 0; sp < (int)gridDim.y; sp++)  // split-major: each split's loads all in flight at once
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    int m = mt * 8 + 2 * t + (e & 1), n = n0 + g + 8 * (e >> 1);
+                    float v = (m < M && n < N) ? __ldcg(&partial[((long)sp * M + m) * N + n]) : 0.f;
+                    acc[mt][e] = sp == 0 ? v : acc[mt][e] + v;
+                }
+    }
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)  // epilogue reads first, then the stores
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            int m = mt * 8 + 2 * t + (e & 1), n = n0 + g + 8 * (e >> 1);
+            acc[mt][e] = (m < M && n < N) ? epilogue(acc[mt][e], bias, residual, gelu, m, n, N) : 0.f;
+        }
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            int m = mt * 8 + 2 * t + (e & 1), n = n0 + g + 8 * (e >> 1);
+            if (m < M && n < N) y[(long)m * N + n] = __float2half_rn(acc[mt][e]);
+        }
+}
+
+// ---------------------------------------------------------------------------------------------
+// matmul_f32: the fp32 path, there for exact comparisons rather than speed (SIMT, no tensor cores).
+// Classic shared-memory tiling: a 64 x 64 tile of y per block, K by 16; each of 256 threads owns a
+// 4 x 4 patch, so every value read from shared memory feeds 4 FMAs. 2*M*N*K FLOPs.
+extern "C" __global__ void __launch_bounds__(256) matmul_f32(const float* __restrict__ x, const float* __restrict__ w,
+                                                             const float* __restrict__ bias,
+                                                             const float* __restrict__ residual, float* __restrict__ y,
+                                                             int M, int N, int K, int gelu) {
+    __shared__ float xs[16][64 + 4], ws[16][64 + 4];  // k-major: the inner loop reads along m and n
+    const int tx = threadIdx.x % 16, ty = threadIdx.x / 16, m0 = blockIdx.y * 64, n0 = blockIdx.x * 64;
+    float acc[4][4] = {};
+    for (int k0 = 0; k0 < K; k0 += 16) {
+        for (int i = threadIdx.x; i < 64 * 16; i += 256) {
+            int r = i / 16, k = k0 + i % 16;  // consecutive threads read consecutive k: coalesced
+            xs[i % 16][r] = (m0 + r < M && k < K) ? x[(long)(m0 + r) * K + k] : 0.f;
+            ws[i % 16][r] = (n0 + r < N && k < K) ? w[(long)(n0 + r) * K + k] : 0.f;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int k = 0; k < 16; k++)
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+#pragma unroll
+                for (int j = 0; j < 4; j++) acc[i][j] += xs[k][ty * 4 + i] * ws[k][tx * 4 + j];
+        __syncthreads();
+    }
+    for (int i = 0; i < 4; i++)
+        for (int j = 0; j < 4; j++) {
+            int m = m0 + ty * 4 + i, n = n0 + tx * 4 + j;
+            if (m < M && n < N) y[(long)m * N + n] = epilogue(acc[i][j], bias, residual, gelu, m, n, N);
+        }
+}
+
+// ---------------------------------------------------------------------------------------------
+// layernorm: y = (r - mean) / sqrt(var + eps) * w + b per row, where r = x, or, given a residual,
+// r = residual + x, written back to residual first (the residual-stream update fused in).
+// Memory-bound: bytes = T*C*sizeof(T) * (2 reads + 1 write, or 3 + 2 with the residual), ~8 FLOPs
+// per element. One warp per row; each lane keeps its slice (up to 64 values, so C <= 2048) in
+// registers, so the row is read once: mean first, then the centred sum of squares (no cancellation).
+template <typename T>
+__global__ void __launch_bounds__(128) layernorm(const T* x, T* residual, const T* w, const T* b, T* y,
+                                                 int rows, int C, float eps) {
+    constexpr int VEC = 16 / sizeof(T), NV = 64 / VEC;
+    const int row = blockIdx.x * 4 + threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (row >= rows) return;
+    const long off = (long)row * C;
+    float v[NV][VEC];
+    float sum = 0.f;
+#pragma unroll
+    for (int i = 0; i < NV; i++) {
+        int c = (i * 32 + lane) * VEC;
+        if (c >= C) break;
+        uint4 xr = load16(x + off + c);
+        const T* xe = reinterpret_cast<const T*>(&xr);
+        if (residual) {
+            uint4 rr = load16(residual + off + c), out;
+            const T* re = reinterpret_cast<const T*>(&rr);
+            T* oe = reinterpret_cast<T*>(&out);
+#pragma unroll
+            for (int j = 0; j < VEC; j++) {
+                oe[j] = from_float<T>(to_float(re[j]) + to_float(xe[j]));
+                v[i][j] = to_float(oe[j]);
+            }
+            store16(residual + off + c, out);
+        } else {
+#pragma unroll
+            for (int j = 0; j < VEC; j++) v[i][j] = to_float(xe[j]);
+        }
+#pragma unroll
+        for (int j = 0; j < VEC; j++) sum += v[i][j];
+    }
+    const float mean = warp_sum(sum) / C;
+    float sq = 0.f;
+#pragma unroll
+    for (int i = 0; i < NV; i++) {
+        if ((i * 32 + lane) * VEC >= C) break;
+#pragma unroll
+        for (int j = 0; j < VEC; j++) sq += (v[i][j] - mean) * (v[i][j] - mean);
+    }
+    const float rstd = rsqrtf(warp_sum(sq) / C + eps);
+#pragma unroll
+    for (int i = 0; i < NV; i++) {
+        int c = (i * 32 + lane) * VEC;
+        if (c >= C) break;
+        uint4 wr = load16(w + c), br = load16(b + c), out;
+        const T *we = reinterpret_cast<const T*>(&wr), *be = reinterpret_cast<const T*>(&br);
+        T* oe = reinterpret_cast<T*>(&out);
+#pragma unroll
+        for (int j = 0; j < VEC; j++) oe[j] = from_float<T>((v[i][j] - mean) * rstd * to_float(we[j]) + to_float(be[j]));
+        store16(y + off + c, out);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// embed: out[t] = wte[input_ids[t]] + wpe[positions[t]]. A gather, memory-bound: 3*T*C*sizeof(T) bytes.
+// One block per token, 16-byte vectors.
+template <typename T>
+__global__ void embed(const T* wte, const T* wpe, const int* ids, const int* pos, T* out, int C) {
+    constexpr int VEC = 16 / sizeof(T);
+    const T* a = wte + (long)ids[blockIdx.x] * C;
+    const T* p = wpe + (long)pos[blockIdx.x] * C;
+    T* o = out + (long)blockIdx.x * C;
+    for (int c = threadIdx.x * VEC; c < C; c += blockDim.x * VEC) {
+        uint4 ar = load16(a + c), pr = load16(p + c), r;
+        const T *ae = reinterpret_cast<const T*>(&ar), *pe = reinterpret_cast<const T*>(&pr);
+        T* re = reinterpret_cast<T*>(&r);
+#pragma unroll
+        for (int j = 0; j < VEC; j++) re[j] = from_float<T>(to_float(ae[j]) + to_float(pe[j]));
+        store16(o + c, r);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// cache_write: k_cache.reshape(-1, H*D)[slot_mapping[t]] = k[t] (and v); slot -1 is padding: skipped.
+// A scatter, memory-bound: 4*T*H*D*sizeof(T) bytes. k and v may be strided views into the qkv
+// output (row stride kv_stride elements), so no copy is needed to split them out.
+template <typename T>
+__global__ void cache_write(const T* k, const T* v, int k_stride, int v_stride, T* k_cache, T* v_cache,
+                            const int* slot_mapping, int HD) {
+    constexpr int VEC = 16 / sizeof(T);
+    const long slot = slot_mapping[blockIdx.x];
+    if (slot < 0) return;
+    for (int c = threadIdx.x * VEC; c < HD; c += blockDim.x * VEC) {
+        store16(k_cache + slot * HD + c, load16(k + (long)blockIdx.x * k_stride + c));
+        store16(v_cache + slot * HD + c, load16(v + (long)blockIdx.x * v_stride + c));
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// attention_prefill: causal attention for prefill and chunked-prefill query tiles (fp16, head_dim 64)
+// over the paged KV cache, FlashAttention-2 style. A block takes 64 queries of one (sequence, head),
+// 4 warps x 16 queries, and streams the sequence's keys and values 64 at a time through shared memory
+// (cp.async, double-buffered, each row gathered through the block table). S = Q K^T and O += P V run
+// on the tensor cores; each query keeps a running max and sum (online softmax), so the score matrix
+// never exists outside registers. Compute-bound for long prompts: 4 * 64 FLOPs per (query, visible
+// key) per head; bytes: Q and O once, K and V once per query tile (L2 absorbs the re-reads).
+extern "C" __global__ void __launch_bounds__(128) attention_prefill(
+    const half* __restrict__ q, int q_stride, const half* __restrict__ k_cache, const half* __restrict__ v_cache,
+    const int* block_tables, int max_blocks, int block_size, const int* cu_seqlens_q, const int* context_lens,
+    const int* tile_seq, const int* tile_q0, int H, float scale_log2, half* out) {
+    constexpr int BQ = 64, BKV = 64, D = 64, LD = D + 8;  // 144-byte rows: ldmatrix without bank conflicts
+    __shared__ __align__(16) half Qs[BQ * LD];
+    __shared__ __align__(16) half Ks[2][BKV * LD];
+    __shared__ __align__(16) half Vs[2][BKV * LD];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+    const int s = tile_seq[blockIdx.x], h = blockIdx.y, q0 = tile_q0[blockIdx.x];
+    const int q_begin = cu_seqlens_q[s], n_q = cu_seqlens_q[s + 1] - q_begin, ctx = context_lens[s];
+    const int pos0 = ctx - n_q + q0;                          // position of the tile's first query
+    const int n_tiles = min(pos0 + BQ - 1, ctx - 1) / BKV + 1;  // key tiles up to the last visible key
+    const int* table = block_tables + (long)s * max_blocks;
+
+    for (int c = tid; c < BQ * 8; c += 128) {
+        int r = c >> 3, col = (c & 7) * 8;
+        bool ok = q0 + r < n_q;
+        cp_async16(smem_addr(&Qs[r * LD + col]), q + (long)(q_begin + q0 + (ok ? r : 0)) * q_stride + h * D + col, ok);
+    }
+    auto load_kv = [&](int buf, int kt) {
+        for (int c = tid; c < BKV * 8; c += 128) {
+            int r = c >> 3, col = (c & 7) * 8, j = kt * BKV + r;
+            bool ok = j < ctx;  // never read past the context: those slots hold anything, NaN included
+            long slot = ok ? (long)table[j / block_size] * block_size + j % block_size : 0;
+            long off = (slot * H + h) * D + col;
+            cp_async16(smem_addr(&Ks[buf][r * LD + col]), k_cache + off, ok);
+            cp_async16(smem_addr(&Vs[buf][r * LD + col]), v_cache + off, ok);
+        }
+    };
+    load_kv(0, 0);
+    cp_async_commit();
+
+    float o[8][4] = {}, m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
+    unsigned qf[4][4];
+    for (int kt = 0; kt < n_tiles; kt++) {
+        if (kt + 1 < n_tiles) load_kv((kt + 1) & 1, kt + 1);
+        cp_async_commit();
+        cp_async_wait<1>();
+        __syncthreads();
+        if (kt == 0)
+            for (int d = 0; d < 4; d++)
+                ldmatrix_x4(qf[d], smem_addr(&Qs[(warp * 16 + (lane & 15)) * LD + d * 16 + (lane >> 4) * 8]));
+        const half *ks = Ks[kt & 1], *vs = Vs[kt & 1];
+
+        float sc[8][4] = {};  // S for this warp's 16 queries x 64 keys
+#pragma unroll
+        for (int d = 0; d < 4; d++)
+#pragma unroll
+            for (int np = 0; np < 4; np++) {
+                unsigned r[4];
+                ldmatrix_x4(r, smem_addr(&ks[(np * 16 + (lane & 7) + ((lane >> 4) << 3)) * LD + d * 16 + ((lane >> 3) & 1) * 8]));
+                unsigned b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
+                mma16816(sc[2 * np], qf[d], b0);
+                mma16816(sc[2 * np + 1], qf[d], b1);
+            }
+        // causal mask and online softmax (log2 domain); this thread holds query rows g and g+8
+#pragma unroll
+        for (int hf = 0; hf < 2; hf++) {
+            const int pos = pos0 + warp * 16 + g + hf * 8;
+            float mx = m[hf];
+#pragma unroll
+            for (int nt = 0; nt < 8; nt++)
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    int j = kt * BKV + nt * 8 + 2 * t + e;
+                    float v = j > pos ? NEG_INF : sc[nt][2 * hf + e] * scale_log2;
+                    sc[nt][2 * hf + e] = v;
+                    mx = fmaxf(mx, v);
+                }
+            mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 2));
+            // key 0 is visible to every query, so mx is finite from the first tile on
+            const float corr = exp2f(m[hf] - mx);
+            m[hf] = mx;
+            l[hf] *= corr;
+#pragma unroll
+            for (int dt = 0; dt < 8; dt++) { o[dt][2 * hf] *= corr; o[dt][2 * hf + 1] *= corr; }
+#pragma unroll
+            for (int nt = 0; nt < 8; nt++)
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    float p = exp2f(sc[nt][2 * hf + e] - mx);
+                    sc[nt][2 * hf + e] = p;
+                    l[hf] += p;
+                }
+        }
+        // O += P V: the S accumulators are already laid out as the A operand (keys = k)
+#pragma unroll
+        for (int kk = 0; kk < 4; kk++) {
+            unsigned pa[4] = {pack_half2(sc[2 * kk][0], sc[2 * kk][1]), pack_half2(sc[2 * kk][2], sc[2 * kk][3]),
+                              pack_half2(sc[2 * kk + 1][0], sc[2 * kk + 1][1]), pack_half2(sc[2 * kk + 1][2], sc[2 * kk + 1][3])};
+#pragma unroll
+            for (int dp = 0; dp < 4; dp++) {
+                unsigned r[4];
+                ldmatrix_x4_trans(r, smem_addr(&vs[(kk * 16 + (lane & 15)) * LD + dp * 16 + (lane >> 4) * 8]));
+                unsigned b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
+                mma16816(o[2 * dp], pa, b0);
+                mma16816(o[2 * dp + 1], pa, b1);
+            }
+        }
+        __syncthreads();  // the next iteration refills the buffer just read
+    }
+#pragma unroll
+    for (int hf = 0; hf < 2; hf++) {
+        float sum = l[hf];
+        sum += __shfl_xor_sync(FULL_MASK, sum, 1);
+        sum += __shfl_xor_sync(FULL_MASK, sum, 2);
+        const int qi = q0 + warp * 16 + g + hf * 8;
+        if (qi >= n_q) continue;
+        half* dst = out + ((long)(q_begin + qi) * H + h) * D + 2 * t;
+#pragma unroll
+        for (int dt = 0; dt < 8; dt++)
+            *reinterpret_cast<half2*>(dst + dt * 8) = __floats2half2_rn(o[dt][2 * hf] / sum, o[dt][2 * hf + 1] / sum);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// attention_rows: attention for single query rows (decode; also every row on the fp32 path), split
+// along the context: flash-decoding. Block (row, head, split) takes keys [split*chunk, ...) of the
+// row's visible keys. One query reads every key once, so this is memory-bound: 2*len*64*sizeof(T)
+// bytes (K and V) for 4*len*64 FLOPs per (row, head). Lanes work in groups of 64/VEC (8 for fp16), one
+// key per group, one 16-byte load of K and of V per lane; each group keeps its own running max, sum
+// and output, merged across the warp and then across the 4 warps at the end. With one split the
+// result goes straight to `out`; with several, each split writes its normalised output and log-sum-exp
+// and attention_merge combines them, so 12 heads of one sequence still fill 132 SMs.
+template <typename T>
+__global__ void __launch_bounds__(128) attention_rows(
+    const T* __restrict__ q, int q_stride, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
+    const int* block_tables, int max_blocks, int block_size, const int* row_q, const int* row_seq,
+    const int* row_len, int H, float scale_log2, T* out, float* part_o, float* part_lse) {
+    constexpr int D = 64, VEC = 16 / sizeof(T), LPK = D / VEC, KPW = 32 / LPK;  // lanes per key, keys per warp
+    const int r = blockIdx.x, h = blockIdx.y, split = blockIdx.z, nsplit = gridDim.z;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, grp = lane / LPK, sub = lane % LPK;
+    const int qr = row_q[r], len = row_len[r], chunk = (len + nsplit - 1) / nsplit;
+    const int k_begin = split * chunk, k_end = min(len, k_begin + chunk);
+    const int* table = block_tables + (long)row_seq[r] * max_blocks;
+
+    float qv[VEC], o[VEC], m = NEG_INF, l = 0.f;
+    uint4 qraw = load16(q + (long)qr * q_stride + h * D + sub * VEC);
+#pragma unroll
+    for (int i = 0; i < VEC; i++) { qv[i] = to_float(reinterpret_cast<const T*>(&qraw)[i]) * scale_log2; o[i] = 0.f; }
+
+    for (int base = k_begin + warp * KPW; base < k_end; base += 4 * KPW) {  // same trip count for the warp
+        const int j = base + grp;
+        const bool ok = j < k_end;
+        float s = 0.f;
+        uint4 vraw = make_uint4(0, 0, 0, 0);
+        if (ok) {
+            long slot = (long)table[j / block_size] * block_size + j % block_size;
+            long off = (slot * H + h) * D + sub * VEC;
+            uint4 kraw = load16(k_cache + off);
+            vraw = load16(v_cache + off);
+#pragma unroll
+            for (int i = 0; i < VEC; i++) s += qv[i] * to_float(reinterpret_cast<const T*>(&kraw)[i]);
+        }
+        for (int off = LPK / 2; off > 0; off >>= 1) s += __shfl_xor_sync(FULL_MASK, s, off);
+        if (ok) {
+            float mn = fmaxf(m, s), c = exp2f(m - mn), p = exp2f(s - mn);
+            l = l * c + p;
+#pragma unroll
+            for (int i = 0; i < VEC; i++) o[i] = o[i] * c + p * to_float(reinterpret_cast<const T*>(&vraw)[i]);
+            m = mn;
+        }
+    }
+    // merge the key groups of this warp (lanes with the same `sub`)
+    for (int off = LPK; off < 32; off <<= 1) {
+        float m2 = __shfl_xor_sync(FULL_MASK, m, off), l2 = __shfl_xor_sync(FULL_MASK, l, off);
+        float mn = fmaxf(m, m2);
+        float c1 = mn == NEG_INF ? 0.f : exp2f(m - mn), c2 = mn == NEG_INF ? 0.f : exp2f(m2 - mn);
+#pragma unroll
+        for (int i = 0; i < VEC; i++) o[i] = o[i] * c1 + __shfl_xor_sync(FULL_MASK, o[i], off) * c2;
+        l = l * c1 + l2 * c2;
+        m = mn;
+    }
+    // then the 4 warps
+    __shared__ float sm_o[4][D], sm_m[4], sm_l[4];
+    if (grp == 0) {
+#pragma unroll
+        for (int i = 0; i < VEC; i++) sm_o[warp][sub * VEC + i] = o[i];
+        if (sub == 0) { sm_m[warp] = m; sm_l[warp] = l; }
+    }
+    __syncthreads();
+    if (threadIdx.x >= D) return;
+    const int d = threadIdx.x;
+    float mx = fmaxf(fmaxf(sm_m[0], sm_m[1]), fmaxf(sm_m[2], sm_m[3])), L = 0.f, acc = 0.f;
+    if (mx != NEG_INF)
+        for (int w = 0; w < 4; w++) {
+            float c = exp2f(sm_m[w] - mx);
+            L += sm_l[w] * c;
+            acc += sm_o[w][d] * c;
+        }
+    if (nsplit == 1) {
+        out[((long)qr * H + h) * D + d] = from_float<T>(acc / L);
+    } else {
+        long pi = ((long)r * H + h) * nsplit + split;
+        part_o[pi * D + d] = L > 0.f ? acc / L : 0.f;
+        if (d == 0) part_lse[pi] = L > 0.f ? mx + log2f(L) : NEG_INF;
+    }
+}
+
+// attention_merge: out = sum_s exp2(lse_s - max) * o_s / sum_s exp2(lse_s - max) over a row's splits.
+// Tiny: nsplit * 65 floats per (row, head). Split 0 is never empty, so max is finite.
+template <typename T>
+__global__ void attention_merge(const float* part_o, const float* part_lse, const int* row_q, int H, int nsplit, T* out) {
+    const int r = blockIdx.x, h = blockIdx.y, d = threadIdx.x;
+    const long base = ((long)r * H + h) * nsplit;
+    float mx = NEG_INF, L = 0.f, acc = 0.f;
+    for (int s = 0; s < nsplit; s++) mx = fmaxf(mx, part_lse[base + s]);
+    for (int s = 0; s < nsplit; s++) {
+        float c = exp2f(part_lse[base + s] - mx);
+        L += c;
+        acc += c * part_o[(base + s) * 64 + d];
+    }
+    out[((long)row_q[r] * H + h) * 64 + d] = from_float<T>(acc / L);
+}
+
+// ---------------------------------------------------------------------------------------------
+// sample_tokens: one token per row of fp32 logits (R, V), exactly as API.md defines it (greedy;
+// temperature; top-k and top-p as thresholds on p = exp((logit - max) / temperature); a counter-based
+// splitmix64 uniform; the first index whose running sum of kept p exceeds u * kept mass). One block
+// per row, so only R token ids leave the GPU, never the logits. No sort: for p >= 0 the float bit
+// pattern orders like the value, so a binary search over bit patterns (~30 passes, each a count or
+// sum over p, cached in shared memory) finds the exact k-th largest p and the exact top-p threshold.
+// Reads 4*V bytes from HBM once; masses are summed in fp64.
+__device__ double block_sum(double v, double* scratch) {
+    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(FULL_MASK, v, off);
+    __syncthreads();  // scratch may still be in use by the previous call
+    if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
+    __syncthreads();
+    double total = 0.0;
+    for (int w = 0; w < (int)(blockDim.x >> 5); w++) total += scratch[w];  // same order in every thread
+    return total;
+}
+
+extern "C" __global__ void __launch_bounds__(1024, 1) sample_tokens(
+    const float* logits, int V, const float* temperature, const int* top_k, const float* top_p,
+    const unsigned long long* seed, const int* step, int* tokens, int cache_p) {
+    __shared__ double scratch[32];
+    __shared__ float best_v[32];
+    __shared__ int best_i[32], result[2];
+    const int row = blockIdx.x, tid = threadIdx.x, nt = blockDim.x, lane = tid & 31, warp = tid >> 5;
+    const float* x = logits + (long)row * V;
+
+    // max and its first index (greedy's answer, and the softmax shift)
+    float bv = NEG_INF;
+    int bi = V;
+    for (int i = tid; i < V; i += nt)
+        if (x[i] > bv) { bv = x[i]; bi = i; }
+    for (int off = 16; off > 0; off >>= 1) {
+        float v2 = __shfl_xor_sync(FULL_MASK, bv, off);
+        int i2 = __shfl_xor_sync(FULL_MASK, bi, off);
+        if (v2 > bv || (v2 == bv && i2 < bi)) { bv = v2; bi = i2; }
+    }
+    if (lane == 0) { best_v[warp] = bv; best_i[warp] = bi; }
+    __syncthreads();
+    bv = best_v[0]; bi = best_i[0];
+    for (int w = 1; w < nt / 32; w++)
+        if (best_v[w] > bv || (best_v[w] == bv && best_i[w] < bi)) { bv = best_v[w]; bi = best_i[w]; }
+    const float temp = temperature[row];
+    if (temp == 0.f) {
+        if (tid == 0) tokens[row] = bi;
+        return;
+    }
+    // p = exp((x - max) / temperature), computed once into shared memory when the row fits (V <= ~56K)
+    extern __shared__ float p_cache[];
+    if (cache_p) {
+        for (int i = tid; i < V; i += nt) p_cache[i] = expf((x[i] - bv) / temp);
+        __syncthreads();
+    }
+    auto P = [&](int i) { return cache_p ? p_cache[i] : expf((x[i] - bv) / temp); };  // max element: p == 1
+
+    // top-k: the largest t with count(p >= t) >= k is the k-th largest p
+    unsigned lo = 0u;
+    const int k = top_k[row];
+    if (k > 0 && k < V) {
+        unsigned hi = 0x3f800000u;  // 1.0f
+        while (lo < hi) {
+            unsigned mid = lo + (hi - lo + 1) / 2;
+            float t = __uint_as_float(mid);
+            int c = 0;
+            for (int i = tid; i < V; i += nt) c += P(i) >= t;
+            if (block_sum(c, scratch) >= k) lo = mid; else hi = mid - 1;
+        }
+    }
+    float thr = __uint_as_float(lo);
+    double kept = 0.0;
+    for (int i = tid; i < V; i += nt) { float p = P(i); kept += p >= thr ? p : 0.f; }
+    kept = block_sum(kept, scratch);
+    // top-p: the largest t (>= the top-k threshold) with mass(p >= t) >= top_p * kept mass
+    const float tp = top_p[row];
+    if (tp < 1.f) {
+        const double target = (double)tp * kept;
+        unsigned hi = 0x3f800000u;
+        while (lo < hi) {
+            unsigned mid = lo + (hi - lo + 1) / 2;
+            float t = __uint_as_float(mid);
+            float mass = 0.f;  // ~50 values per thread: fp32 is enough, fp64 across threads
+            for (int i = tid; i < V; i += nt) { float p = P(i); mass += p >= t ? p : 0.f; }
+            if (block_sum(mass, scratch) >= target) lo = mid; else hi = mid - 1;
+        }
+        thr = __uint_as_float(lo);
+        kept = 0.0;
+        for (int i = tid; i < V; i += nt) { float p = P(i); kept += p >= thr ? p : 0.f; }
+        kept = block_sum(kept, scratch);
+    }
+
+    // u = uniform(seed, step), splitmix64 on seed + (step + 1) * golden ratio
+    unsigned long long z = seed[row] + (unsigned long long)(step[row] + 1) * 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    const double r = (double)((float)(z >> 40) * (1.0f / 16777216.0f)) * kept;
+
+    // the first index whose running sum exceeds r: each thread walks a contiguous chunk, in order
+    const int per = (V + nt - 1) / nt, i0 = min(V, tid * per), i1 = min(V, i0 + per);
+    double local = 0.0;
+    int last_kept = -1;
+    for (int i = i0; i < i1; i++) { float p = P(i); if (p >= thr) { local += p; last_kept = i; } }
+    double inc = local;  // inclusive scan of the chunk sums across the block
+    for (int off = 1; off < 32; off <<= 1) { double n = __shfl_up_sync(FULL_MASK, inc, off); if (lane >= off) inc += n; }
+    __syncthreads();
+    if (lane == 31) scratch[warp] = inc;
+    if (tid < 2) result[tid] = tid == 0 ? V : -1;
+    __syncthreads();
+    double before = __shfl_up_sync(FULL_MASK, inc, 1);
+    if (lane == 0) before = 0.0;
+    for (int w = 0; w < warp; w++) before += scratch[w];
+    int found = V;
+    if (before + local > r)
+        for (int i = i0; i < i1; i++) {
+            float p = P(i);
+            if (p >= thr && (before += p) > r) { found = i; break; }
+        }
+    found = __reduce_min_sync(FULL_MASK, (unsigned)found);
+    last_kept = __reduce_max_sync(FULL_MASK, last_kept);
+    if (lane == 0) { atomicMin(&result[0], found); atomicMax(&result[1], last_kept); }
+    __syncthreads();
+    if (tid == 0) tokens[row] = result[0] < V ? result[0] : result[1];  // rounding past the end: last kept
+}
+
+// nvcc (CI) compiles every instantiation NVRTC gets through name_expressions, so ptxas sees them all
+#ifndef __CUDACC_RTC__
+template __global__ void matmul_tc<128>(const half*, const half*, const half*, const half*, half*, int, int, int, int);
+template __global__ void matmul_tc<64>(const half*, const half*, const half*, const half*, half*, int, int, int, int);
+#define SKINNY(MT) template __global__ void matmul_skinny<MT>(const half*, const half*, const half*, const half*, \
+                                                            half*, int, int, int, int, int, float*, int*);
+SKINNY(1) SKINNY(2) SKINNY(4) SKINNY(8)
+#define PER_TYPE(T)                                                                                           \
+    template __global__ void layernorm<T>(const T*, T*, const T*, const T*, T*, int, int, float);             \
+    template __global__ void embed<T>(const T*, const T*, const int*, const int*, T*, int);                   \
+    template __global__ void cache_write<T>(const T*, const T*, int, int, T*, T*, const int*, int);           \
+    template __global__ void attention_rows<T>(const T*, int, const T*, const T*, const int*, int, int,       \
+                                               const int*, const int*, const int*, int, float, T*, float*,    \
+                                               float*);                                                       \
+    template __global__ void attention_merge<T>(const float*, const float*, const int*, int, int, T*);
+PER_TYPE(float) PER_TYPE(half)
+#endif

