@@ -6,6 +6,7 @@ the CUDA backend (the same ops as hand-written kernels from kernels.cu), the GPT
 batch of tokens, the sampler, and the LLM engine that ties them to the paged KV cache (paged_kv.py) and
 the continuous-batching scheduler (scheduler.py).
 """
+import itertools
 import json
 import math
 import re
@@ -265,8 +266,8 @@ class NumpyBackend:
         return out
 
     def sample(self, logits, temperature, top_k, top_p, seed, step):
-        u = uniform(seed, step)
-        return np.array([sample_row(logits[r].astype(np.float32), temperature[r], top_k[r], top_p[r], u[r])
+        u = uniform(seed, step)  # float64 below: the running sum over 50257 probabilities stays exact
+        return np.array([sample_row(logits[r].astype(np.float64), temperature[r], top_k[r], top_p[r], u[r])
                          for r in range(len(logits))], dtype=np.int64)
 
 
@@ -791,21 +792,20 @@ class LLM:
         return self.scheduler.has_unfinished()
 
     def _make_batch(self, scheduled):
-        """Flatten this step's work into one batch. Python loops over sequences, never over tokens."""
-        starts = np.array([seq.num_computed for seq, _ in scheduled], dtype=np.int32)
-        counts = np.array([n for _, n in scheduled], dtype=np.int32)
-        ends = starts + counts
-        cu_seqlens_q = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
-        samples = np.array([seq.num_computed + n == len(seq.token_ids) for seq, n in scheduled])
-        return Batch(
-            input_ids=np.concatenate([seq.token_ids[a:b] for (seq, _), a, b in zip(scheduled, starts, ends)]).astype(np.int32),
-            positions=(np.arange(cu_seqlens_q[-1]) - np.repeat(cu_seqlens_q[:-1] - starts, counts)).astype(np.int32),
-            slot_mapping=np.concatenate([self.kv.slot_mapping(seq.seq_id, a, b) for (seq, _), a, b in zip(scheduled, starts, ends)]),
-            cu_seqlens_q=cu_seqlens_q,
-            context_lens=ends,
-            block_tables=self.kv.block_table_array([seq.seq_id for seq, _ in scheduled]),
-            logits_idx=(cu_seqlens_q[1:] - 1)[samples].astype(np.int32),
-        ), [seq for (seq, _), s in zip(scheduled, samples) if s]
+        """Flatten this step's work into one batch: Python loops over sequences, numpy over tokens."""
+        seqs = [seq for seq, _ in scheduled]
+        counts = np.array([n for _, n in scheduled], np.int32)
+        starts = np.array([seq.num_computed for seq in seqs], np.int32)
+        cu_seqlens_q = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)  # (S+1,)
+        row = np.repeat(np.arange(len(seqs)), counts)  # (T,) the sequence of each token
+        positions = (np.arange(cu_seqlens_q[-1]) - cu_seqlens_q[row] + starts[row]).astype(np.int32)
+        block_tables = self.kv.block_table_array([seq.seq_id for seq in seqs])  # (S, max_blocks)
+        samples = starts + counts == np.array([len(seq.token_ids) for seq in seqs])  # reached their last token
+        input_ids = np.fromiter(itertools.chain.from_iterable(
+            seq.token_ids[a:a + n] for seq, a, n in zip(seqs, starts.tolist(), counts.tolist())), np.int32, len(row))
+        return Batch(input_ids, positions, self.kv.slot_mapping(block_tables, row, positions), cu_seqlens_q,
+                     starts + counts, block_tables, (cu_seqlens_q[1:] - 1)[samples]), \
+            [seq for seq, s in zip(seqs, samples) if s]
 
     def step(self):
         """One engine step. Returns (request_id, new text, RequestOutput if it just finished else None) per request

@@ -73,11 +73,11 @@ class PagedKVCache:
         for block in self.block_tables.pop(seq_id, ()):
             self.allocator.release(block)
 
-    def slot_mapping(self, seq_id, start, end):
-        """Cache slots of a sequence's tokens start..end-1, vectorized: no Python loop over tokens."""
-        table = np.asarray(self.block_tables[seq_id], dtype=np.int32)
-        pos = np.arange(start, end, dtype=np.int32)
-        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+    def slot_mapping(self, block_tables, rows, positions):
+        """The cache slot of every token of a batch, vectorized: token t is sequence rows[t]'s token
+        positions[t], so it lives in block block_tables[rows[t], positions[t] // block_size]."""
+        return (block_tables[rows, positions // self.block_size] * self.block_size +
+                positions % self.block_size).astype(np.int32)
 
     def block_table_array(self, seq_ids):
         """(S, max_blocks) int32, each row a sequence's block table padded with 0 (never read past its length)."""

@@ -105,20 +105,20 @@ class Scheduler:
         scheduled = {}
         decodes = [s for s in self.running if s.num_uncomputed == 1]
         prefills = [s for s in self.running if s.num_uncomputed > 1]
-        preempted = False
+        preempted = set()
         for seq in decodes + prefills:
             if budget == 0:
                 break
-            if seq not in self.running:
-                continue  # preempted earlier in this loop
+            if seq in preempted:
+                continue
             n = min(seq.num_uncomputed, budget)
             while not self.kv.can_fit(seq.seq_id, seq.num_computed + n):
                 victim = next(s for s in reversed(self.running) if s not in scheduled)
                 self._preempt(victim)
-                preempted = True
+                preempted.add(victim)
                 if victim is seq:
                     break
-            if seq in self.running:
+            if seq not in preempted:
                 self.kv.grow(seq.seq_id, seq.num_computed + n)
                 scheduled[seq] = n
                 budget -= n

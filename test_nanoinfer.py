@@ -15,6 +15,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -70,6 +71,24 @@ EXACT_DEVICES = ALL_DEVICES[:2]  # where batched and solo must agree bit-for-bit
 @pytest.fixture(params=ALL_DEVICES)
 def dev(request):
     return request.param
+
+
+@pytest.fixture(autouse=True)
+def hang_guard():
+    """Fail (rather than hang CI) when a test runs past 5 minutes: an engine that stops scheduling would make
+    generate() loop forever. Not a timing assertion: every test here takes seconds."""
+    if not hasattr(signal, "SIGALRM") or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stuck(*_):
+        raise TimeoutError("test ran past 300 s: the engine is probably stuck in its step loop")
+
+    old = signal.signal(signal.SIGALRM, stuck)
+    signal.alarm(300)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, old)
 
 
 # -----------------------------------------------------------------------------
@@ -218,15 +237,15 @@ class Driver:
             start = self.computed.get(sid, 0)
             end = self.computed[sid] = start + len(toks)
             kv.grow(sid, end)
+            table, bs = kv.block_tables[sid], kv.block_size
             ids += toks
             pos += range(start, end)
-            slots.append(kv.slot_mapping(sid, start, end))
+            slots += [table[j // bs] * bs + j % bs for j in range(start, end)]  # the slot of token j, by definition
             cu.append(cu[-1] + len(toks))
             ctx.append(end)
         i32 = lambda a: np.asarray(a, dtype=np.int32)
-        batch = ni.Batch(input_ids=i32(ids), positions=i32(pos), slot_mapping=i32(np.concatenate(slots)),
-                         cu_seqlens_q=i32(cu), context_lens=i32(ctx),
-                         block_tables=kv.block_table_array([sid for sid, _ in work]),
+        batch = ni.Batch(input_ids=i32(ids), positions=i32(pos), slot_mapping=i32(slots), cu_seqlens_q=i32(cu),
+                         context_lens=i32(ctx), block_tables=kv.block_table_array([sid for sid, _ in work]),
                          logits_idx=np.arange(len(ids), dtype=np.int32))
         logits = forward(self.llm, batch)
         return [logits[cu[i]:cu[i + 1]] for i in range(len(work))]
@@ -289,16 +308,14 @@ def capture_logits(llm):
 
 
 def test_engine_chunked_prefill_logits(tiny, dev):
-    """Through the scheduler: max_num_batched_tokens=8 splits a 45-token prompt into chunks, and the logits of
-    each generated token still match transformers on prompt + output."""
+    """Through the scheduler: max_num_batched_tokens=8 splits a 45-token prompt into 6 chunks, and the logits
+    that the last chunk yields (the first new token's) match transformers."""
     llm = make_llm(tiny, dev, max_num_batched_tokens=8)
     seen = capture_logits(llm)
     ids = random_ids(45, 4)
-    (out,) = llm.generate([ids], greedy(6))
-    assert len(seen) >= 6 + 5, "the prompt was not chunked"
-    ours = np.concatenate([s for s in seen if len(s)])
-    ref = hf_logits(tiny, ids + out.token_ids)[len(ids) - 1:-1]
-    assert ours.shape == ref.shape and rel_err(ours, ref) < dev.tol
+    llm.generate([ids], greedy(1))
+    assert len(seen) >= 6 and all(len(s) == 0 for s in seen[:-1]), "the prompt was not run in chunks of 8"
+    assert rel_err(seen[-1], hf_logits(tiny, ids)[-1:]) < dev.tol
 
 
 # -----------------------------------------------------------------------------
@@ -459,8 +476,9 @@ def test_paged_kv_tables_and_slots():
     check_kv(kv)
     ta = kv.block_tables["a"]
     assert len(ta) == 3 and len(kv.block_tables["b"]) == 1 and not kv.can_fit("b", 13) and kv.can_fit("b", 12)
-    assert kv.slot_mapping("a", 3, 9).tolist() == [ta[j // 4] * 4 + j % 4 for j in range(3, 9)]
     bt = kv.block_table_array(["b", "a"])
+    pos = np.arange(3, 9)
+    assert kv.slot_mapping(bt, np.ones(6, int), pos).tolist() == [ta[j // 4] * 4 + j % 4 for j in pos]
     assert bt.shape == (2, 3) and bt[1].tolist() == ta and bt[0, 0] == kv.block_tables["b"][0]
     kv.free("a"), kv.free("b")
     check_kv(kv)
@@ -490,8 +508,6 @@ def test_stress_every_request_gets_its_solo_output(tiny, dev, reqs, block_size, 
     """Random requests (greedy or seeded sampling) arriving while others run, on random pools (down to the
     smallest that fits the largest request), block sizes and budgets: every request finishes with its solo
     output, the allocator invariants hold after every step, and no block leaks."""
-    if dev.device == "cuda":
-        block_size = 16
     work = []
     for n, max_tokens, arrival, sampled, seed in reqs:
         params = SamplingParams(seed=seed, **{**SAMPLED, "max_tokens": max_tokens}) if sampled else greedy(max_tokens)
@@ -499,17 +515,18 @@ def test_stress_every_request_gets_its_solo_output(tiny, dev, reqs, block_size, 
     biggest = max(-(-(len(p) + q.max_tokens) // block_size) for _, p, q in work) * block_size
     llm = make_llm(tiny, dev, block_size=block_size, num_kv_tokens=biggest + slack,
                    max_num_batched_tokens=max_batched, max_num_seqs=max_seqs)
-    pending, ids, done, t = sorted(work, key=lambda w: w[0]), {}, {}, 0
+    pending, ids, done, t, idle = sorted(work, key=lambda w: w[0]), {}, {}, 0, 0
     while pending or llm.has_unfinished():
         while pending and (pending[0][0] <= t or not llm.has_unfinished()):
             _, prompt, params = pending.pop(0)
             ids[llm.add_request(prompt, params)] = (prompt, params)
-        for rid, _, out in llm.step():
+        events = llm.step()
+        for rid, _, out in events:
             if out is not None:
                 done[rid] = out
         check_kv(llm.kv)
-        t += 1
-        assert t < 5000, "the engine does not make progress"
+        t, idle = t + 1, 0 if events else idle + 1
+        assert idle < 200, "200 steps without a new token: the engine is stuck"
     assert set(done) == set(ids)
     for rid, (prompt, params) in ids.items():
         assert done[rid].token_ids == solo(tiny, dev, prompt, params)
@@ -765,3 +782,313 @@ def test_download_through_a_loopback_hub(tiny, tmp_path):
     second = _run_py(code, env, tmp_path)  # the server is gone now
     assert second.returncode == 0, second.stderr
     assert json.loads(second.stdout.strip().splitlines()[-1]) == ref
+
+# -----------------------------------------------------------------------------
+# every CUDA kernel against its numpy twin: NumpyBackend in float64 (`ref`) is the definition the kernels are held
+# to, fed float64 copies of the very inputs the kernel gets (already rounded to its dtype). Fresh random inputs every
+# run (the seed is printed on failure); every output is poisoned with NaN before the launch, so an element a kernel
+# forgot to write fails. Error = max|ours - ref| / max|ref|: fp32 < 1e-4, fp16 < 1e-2, NaN never.
+
+try:
+    import cupy as cp
+except ImportError:
+    cp = None
+from nanoinfer import Batch, CudaBackend, NumpyBackend  # noqa: E402
+
+KTOL = {np.float16: 1e-2, np.float32: 1e-4}
+DTYPES = [np.float16, np.float32]
+SEED = int(np.random.SeedSequence().entropy % 2**32)
+rng = np.random.default_rng(SEED)
+ref = NumpyBackend(np.float64)  # the definition of every op, in float64
+
+
+@pytest.fixture(scope="module", params=DTYPES, ids=["fp16", "fp32"])
+def be(request):
+    b = CudaBackend(request.param)
+    plain_empty = b.empty
+
+    def poisoned_empty(shape, dtype=None):
+        a = plain_empty(shape, dtype)
+        a.fill(np.nan if a.dtype.kind == "f" else -7)
+        return a
+
+    b.empty = poisoned_empty
+    return b
+
+
+def check(ours, want, dtype, what=""):
+    ours = cp.asnumpy(ours).astype(np.float64)
+    assert ours.shape == want.shape, (what, ours.shape, want.shape)
+    assert not np.isnan(ours).any(), f"{what}: NaN in the output (unwritten element?) seed={SEED}"
+    err = np.abs(ours - want).max() / max(np.abs(want).max(), 1e-30)
+    assert err < KTOL[np.dtype(dtype).type], f"{what}: relative error {err:.3g} seed={SEED}"
+
+
+def rounded(a, dtype):
+    """a rounded to the kernel's dtype, as float64: what the reference sees."""
+    return np.asarray(a).astype(dtype).astype(np.float64)
+
+
+def to_gpu(a, dtype):
+    return None if a is None else cp.asarray(np.asarray(a, dtype=dtype))
+
+
+def heads(qkv, j, H):
+    """q, k or v (j = 0, 1, 2) of a (T, 3C) qkv array as a (T, H, D) strided view, as the engine slices them."""
+    C = qkv.shape[1] // 3
+    return qkv[:, j * C:(j + 1) * C].reshape(len(qkv), H, -1)
+
+
+# ---- matmul ----------------------------------------------------------------------------------
+@NO_GPU
+@pytest.mark.parametrize("M", [1, 3, 17, 64, 65, 1000, 4096])
+@pytest.mark.parametrize("N,K", [(2304 + 40, 776), (768, 3072)])
+@pytest.mark.parametrize("epi", ["none", "bias_gelu", "bias_residual", "all"])
+def test_matmul(be, M, N, K, epi):
+    """y = x @ w.T with each epilogue (bias, GELU, residual), for decode- and prefill-sized M and N, K off the tiles."""
+    dt = be.dtype.type
+    x = rounded(rng.standard_normal((M, K)), dt)
+    w = rounded(rng.standard_normal((N, K)) / math.sqrt(K), dt)
+    bias = rounded(rng.standard_normal(N), dt) if epi != "none" else None
+    res = rounded(rng.standard_normal((M, N)), dt) if epi in ("bias_residual", "all") else None
+    gelu = epi in ("bias_gelu", "all")
+    y = be.matmul(to_gpu(x, dt), to_gpu(w, dt), to_gpu(bias, dt), gelu, to_gpu(res, dt))
+    check(y, ref.matmul(x, w, bias, gelu, res), dt, f"matmul M={M} N={N} K={K} {epi}")
+
+
+@NO_GPU
+@pytest.mark.parametrize("M", [1, 64])
+def test_matmul_lm_head_shape_and_repeat(be, M):
+    """The lm_head shape (V = 50257, an odd N) is right, and a split-K matmul run twice repeats bit for bit
+    (its arrival counters reset themselves)."""
+    dt = be.dtype.type
+    x = to_gpu(rng.standard_normal((M, 768)), dt)
+    w = to_gpu(rng.standard_normal((50257, 768)) / math.sqrt(768), dt)
+    check(be.matmul(x, w), ref.matmul(cp.asnumpy(x).astype(np.float64), cp.asnumpy(w).astype(np.float64)), dt,
+          "lm_head")
+    x2 = to_gpu(rng.standard_normal((M, 3072)), dt)
+    w2 = to_gpu(rng.standard_normal((768, 3072)) / math.sqrt(3072), dt)
+    a, b = be.matmul(x2, w2), be.matmul(x2, w2)
+    assert cp.array_equal(a, b), "split-K matmul is not repeatable"
+
+
+@NO_GPU
+def test_matmul_bad_k():
+    """fp16 rows are read as 16-byte vectors: K not a multiple of 8 is refused, not read past."""
+    be = CudaBackend(np.float16)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        be.matmul(cp.zeros((4, 100), np.float16), cp.zeros((8, 100), np.float16))
+
+
+# ---- layernorm, embed, cache_write -----------------------------------------------------------
+@NO_GPU
+@pytest.mark.parametrize("T", [1, 3, 17, 1000])
+@pytest.mark.parametrize("C", [768, 1600])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_layernorm(be, T, C, with_residual):
+    """layernorm, and with a residual its fused in-place update residual += x."""
+    dt = be.dtype.type
+    x = rounded(rng.standard_normal((T, C)) * 2 + 0.5, dt)
+    w, b = rounded(rng.standard_normal(C), dt), rounded(rng.standard_normal(C), dt)
+    res = rounded(rng.standard_normal((T, C)) * 3, dt) if with_residual else None
+    res_gpu, res_ref = to_gpu(res, dt), None if res is None else res.copy()  # each backend updates its own
+    y = be.layernorm(to_gpu(x, dt), to_gpu(w, dt), to_gpu(b, dt), 1e-5, res_gpu)
+    check(y, ref.layernorm(x, w, b, 1e-5, res_ref), dt, f"layernorm T={T} C={C}")
+    if with_residual:
+        # the exact sum rounded once to dt: what an fp32 add rounded to dt gives, for fp16 too (24 >= 2 * 11 + 2)
+        assert np.array_equal(cp.asnumpy(res_gpu), res_ref.astype(dt)), "residual += x was not written back exactly"
+
+
+@NO_GPU
+def test_embed(be):
+    """wte[ids] + wpe[positions] for scattered ids and positions."""
+    dt = be.dtype.type
+    V, n_ctx, C, T = 1000, 1024, 768, 37
+    wte, wpe = rounded(rng.standard_normal((V, C)), dt), rounded(rng.standard_normal((n_ctx, C)), dt)
+    ids, pos = rng.integers(0, V, T).astype(np.int32), rng.integers(0, n_ctx, T).astype(np.int32)
+    y = be.embed(to_gpu(wte, dt), to_gpu(wpe, dt), cp.asarray(ids), cp.asarray(pos))
+    check(y, ref.embed(wte, wpe, ids, pos), dt, "embed")
+
+
+@NO_GPU
+def test_cache_write(be):
+    """k and v (strided views into qkv, as in the engine) land exactly in their slots; slot -1 (a padding row
+    of a CUDA-graph step) writes nothing; every other slot keeps its value."""
+    dt = be.dtype.type
+    T, H, D, nb, bs = 37, 12, 64, 20, 16
+    qkv = rounded(rng.standard_normal((T, 3 * H * D)), dt)
+    slots = rng.permutation(nb * bs)[:T].astype(np.int32)
+    slots[rng.random(T) < 0.2] = -1
+    kc, vc = rounded(rng.standard_normal((nb, bs, H, D)), dt), rounded(rng.standard_normal((nb, bs, H, D)), dt)
+    qkv_gpu, kc_gpu, vc_gpu = to_gpu(qkv, dt), to_gpu(kc, dt), to_gpu(vc, dt)
+    be.cache_write(heads(qkv_gpu, 1, H), heads(qkv_gpu, 2, H), kc_gpu, vc_gpu, cp.asarray(slots))
+    real = slots >= 0  # the numpy engine never pads (only CUDA graphs do), so its twin gets the real rows alone
+    ref.cache_write(heads(qkv, 1, H)[real], heads(qkv, 2, H)[real], kc, vc, slots[real])
+    assert np.array_equal(cp.asnumpy(kc_gpu).astype(np.float64), kc), "K cache"
+    assert np.array_equal(cp.asnumpy(vc_gpu).astype(np.float64), vc), "V cache"
+
+
+# ---- attention -------------------------------------------------------------------------------
+def make_batch(seqs, dt, H=12, D=64, bs=16):
+    """seqs: [(n_q, context_len)] -> (Batch, qkv (T, 3*H*D), K cache, V cache), the arrays float64 holding
+    dt-rounded values. The paged cache is NaN except the slots the sequences own; each sequence's block ids
+    are scattered and decreasing. (Attention reads only block_tables, cu_seqlens_q and context_lens.)"""
+    n_q, ctx = np.array(seqs).T
+    nblk = -(-ctx // bs)
+    num_blocks = int(nblk.sum()) + 7
+    perm = rng.permutation(num_blocks)
+    tables = np.zeros((len(seqs), nblk.max()), np.int32)
+    owned = np.zeros(num_blocks * bs, bool)
+    for s, used in enumerate(np.cumsum(nblk) - nblk):
+        tables[s, :nblk[s]] = np.sort(perm[used:used + nblk[s]])[::-1]
+        j = np.arange(ctx[s])
+        owned[tables[s, j // bs] * bs + j % bs] = True
+    kc, vc = (rounded(rng.standard_normal((num_blocks, bs, H, D)), dt) for _ in "kv")
+    kc.reshape(-1, H, D)[~owned] = vc.reshape(-1, H, D)[~owned] = np.nan
+    cu = np.concatenate([[0], np.cumsum(n_q)]).astype(np.int32)
+    T = int(cu[-1])
+    batch = Batch(input_ids=np.zeros(T, np.int32), positions=np.zeros(T, np.int32),
+                  slot_mapping=np.zeros(T, np.int32), cu_seqlens_q=cu, context_lens=ctx.astype(np.int32),
+                  block_tables=tables, logits_idx=(cu[1:] - 1).astype(np.int32))
+    return batch, rounded(rng.standard_normal((T, 3 * H * D)), dt), kc, vc
+
+
+ATTENTION_CASES = {
+    "decode": [(1, 1), (1, 15), (1, 16), (1, 17), (1, 1023)],
+    "prefill": [(17, 17), (16, 16), (64, 64), (1023, 1023)],
+    "chunked_prefill": [(100, 1023), (64, 80), (5, 40), (16, 33), (129, 300)],
+    "mixed": [(1, 500), (200, 200), (1, 17), (33, 1000), (3, 10), (1, 1), (70, 90)],
+    "decode_batch": [(1, int(n)) for n in np.random.default_rng(SEED).integers(1, 700, 64)],
+}
+
+
+@NO_GPU
+@pytest.mark.parametrize("case", list(ATTENTION_CASES))
+def test_attention(be, case):
+    """Causal attention over block tables for one flat batch: decode, prefill, chunked prefill and mixes, with
+    contexts at and around block edges; q is a strided view into qkv."""
+    dt, H = be.dtype.type, 12
+    batch, qkv, kc, vc = make_batch(ATTENTION_CASES[case], dt, H=H)
+    scale = 1 / math.sqrt(64)
+    out = be.attention(heads(to_gpu(qkv, dt), 0, H), to_gpu(kc, dt), to_gpu(vc, dt), be.to_device(batch), scale)
+    check(out, ref.attention(heads(qkv, 0, H), kc, vc, batch, scale), dt, f"attention {case}")
+
+
+@NO_GPU
+def test_attention_head_dim():
+    """The kernels are written for head_dim 64: another is refused, not computed wrong."""
+    be = CudaBackend(np.float16)
+    batch, qkv, kc, vc = make_batch([(1, 5)], np.float16, H=2, D=32)
+    with pytest.raises(NotImplementedError, match="head_dim 64"):
+        be.attention(heads(to_gpu(qkv, np.float16), 0, 2), to_gpu(kc, np.float16), to_gpu(vc, np.float16),
+                     be.to_device(batch), 1 / math.sqrt(32))
+
+
+# ---- sampling --------------------------------------------------------------------------------
+def picked_near(logits, temperature, top_k, top_p, u, token, eps=1e-5):
+    """Whether nanoinfer.sample_row picks `token` for some u' within eps of u: near a boundary of the running
+    sum of kept p the kernel's rounding and the reference's may fall either side; nowhere else. sample_row's
+    pick never decreases as u grows: bisect for the least u' in [u - eps, u + eps] whose pick reaches
+    `token`, and see whether it is `token`."""
+    pick = lambda v: nanoinfer.sample_row(logits, temperature, top_k, top_p, v)
+    lo, hi = u - eps, u + eps
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if pick(mid) >= token else (mid, hi)
+    return pick(hi) == token
+
+
+@NO_GPU
+def test_sample_matches_definition():
+    """Each row's token is the one nanoinfer.sample_row picks with u = nanoinfer.uniform(seed, step) under
+    greedy, temperature, top-k (also k > V), top-p and their mixes; another token only at a rounding boundary.
+    sample_row runs on float64 rows, so its running sums are fp64 like the kernel's (NumpyBackend.sample's
+    fp32 sums, one by one over V = 50257, drift by up to ~1e-4 of the mass)."""
+    be = CudaBackend(np.float16)
+    V = 50257
+    params = [(0.0, 0, 1.0), (1.0, 0, 1.0), (0.7, 50, 1.0), (1.0, 0, 0.9), (1.0, 20, 0.5), (0.8, 1, 1.0),
+              (1.5, 0, 0.99), (1.0, V + 5, 1.0), (0.3, 0, 0.95), (2.0, 1000, 0.8)] * 3
+    R = len(params)
+    logits = (rng.standard_normal((R, V)) * 3).astype(np.float32)
+    temp = np.array([p[0] for p in params], np.float32)
+    top_k = np.array([p[1] for p in params], np.int32)
+    top_p = np.array([p[2] for p in params], np.float32)
+    seed = rng.integers(0, 2**63, R, dtype=np.uint64)
+    step = rng.integers(0, 1000, R).astype(np.int32)
+    toks = be.sample(cp.asarray(logits), temp, top_k, top_p, seed, step)
+    assert toks.dtype == np.int64 and toks.shape == (R,)
+    u = nanoinfer.uniform(seed, step)
+    for i in range(R):
+        row = logits[i].astype(np.float64)
+        want = nanoinfer.sample_row(row, temp[i], top_k[i], top_p[i], u[i])
+        assert toks[i] == want or picked_near(row, temp[i], top_k[i], top_p[i], float(u[i]), toks[i]), \
+            f"row {i} {params[i]}: got {toks[i]}, the definition picks {want} (seed={SEED})"
+
+
+@NO_GPU
+def test_sample_greedy_and_batch_invariance():
+    """Greedy is NumpyBackend.sample's argmax (ties: the first index); a seeded row samples the same token
+    wherever it sits in the batch."""
+    be = CudaBackend(np.float16)
+    V, R = 50257, 16
+    logits = rng.standard_normal((R, V)).astype(np.float32)
+    logits[3, [10, 4000, 50000]] = 100.0
+    greedy = (np.zeros(R, np.float32), np.zeros(R, np.int32), np.ones(R, np.float32), np.zeros(R, np.uint64),
+              np.zeros(R, np.int32))
+    toks = be.sample(cp.asarray(logits), *greedy)
+    assert np.array_equal(toks, ref.sample(logits, *greedy)) and toks[3] == 10, toks
+    t, k, p = np.full(R, 0.9, np.float32), np.full(R, 40, np.int32), np.full(R, 0.95, np.float32)
+    s, st = np.full(R, 1234, np.uint64), np.full(R, 7, np.int32)
+    row = np.broadcast_to(logits[5], (R, V)).copy()
+    toks = be.sample(cp.asarray(row), t, k, p, s, st)
+    assert (toks == toks[0]).all()
+
+
+@NO_GPU
+def test_sample_distribution():
+    """20000 draws (different steps) from a 5-token distribution match its probabilities."""
+    be = CudaBackend(np.float16)
+    R = 20000
+    logits = np.log(np.array([0.1, 0.2, 0.3, 0.05, 0.35], np.float32))
+    toks = be.sample(cp.asarray(np.tile(logits, (R, 1))), np.ones(R, np.float32), np.zeros(R, np.int32),
+                     np.ones(R, np.float32), np.full(R, 99, np.uint64), np.arange(R, dtype=np.int32))
+    freq = np.bincount(toks, minlength=5) / R
+    assert np.abs(freq - np.exp(logits)).max() < 0.015, freq
+
+
+# ---- the engine on CUDA: a tiny random GPT-2 -------------------------------------------------
+PROMPTS = [np.random.default_rng(n).integers(0, 50256, n).tolist() for n in (1, 7, 16, 17, 45)]
+
+
+def generate_greedy(ckpt, **kw):
+    """(the LLM, its 24 greedy tokens for each of PROMPTS, EOS ignored), on CUDA."""
+    llm = LLM(str(ckpt.path), device="cuda", num_kv_tokens=4096, **kw)
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    return llm, [o.token_ids for o in outs]
+
+
+@NO_GPU
+def test_fp16_weights_stay_fp16(tiny):
+    """Every floating weight of an fp16 engine is stored in fp16 (they were once kept in fp32 and converted at
+    every use, doubling the weight traffic of each step)."""
+    llm = LLM(str(tiny.path), device="cuda", dtype="float16", num_kv_tokens=4096)
+    wrong = {name: a.dtype.name for name, a in llm.model.w.items() if a.dtype.kind == "f" and a.dtype != np.float16}
+    assert not wrong, f"weights not stored in fp16: {wrong}"
+
+
+@NO_GPU
+def test_cuda_graphs_change_no_token(tiny):
+    """Decode steps replayed from CUDA graphs (padded to a bucket of 8) give the same greedy tokens as the same
+    steps launched one kernel at a time. fp32: the graph plans attention for the whole context, so its
+    splits, and roundings, differ from the eager step's; in fp32 that cannot flip a greedy choice."""
+    graphed, tokens = generate_greedy(tiny, dtype="float32")
+    assert graphed._graphs, "no decode step was replayed from a CUDA graph"
+    assert tokens == generate_greedy(tiny, dtype="float32", cuda_graphs=False)[1]
+
+
+@NO_GPU
+def test_unfused_epilogues_change_no_token(tiny):
+    """fused=False (bias, GELU and residual adds as separate kernels) gives the same greedy tokens as the
+    fused epilogues; fp32, where the two differ only in the last bits."""
+    assert generate_greedy(tiny, dtype="float32", fused=False)[1] == \
+        generate_greedy(tiny, dtype="float32", fused=True)[1]
