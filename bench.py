@@ -12,7 +12,9 @@ to first token against total time. --model takes a GPT-2 name, a directory, or r
 weights at the real shapes of gpt2 .. gpt2-xl: speed does not depend on the values).
 """
 import argparse
+import gc
 import json
+import math
 import shutil
 import tempfile
 import time
@@ -21,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from nanoinfer import LLM, Batch, GPTConfig, SamplingParams, expected_shapes
+from paged_kv import PagedKVCache
 
 SIZES = {"gpt2": (12, 12, 768), "gpt2-medium": (24, 16, 1024), "gpt2-large": (36, 20, 1280), "gpt2-xl": (48, 25, 1600)}
 
@@ -80,6 +83,9 @@ def time_transformers(path, prompts, max_tokens, device):
         if dev == "cuda":
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
+    del model
+    if dev == "cuda":
+        torch.cuda.empty_cache()
     return len(prompts) * max_tokens / dt
 
 
@@ -360,7 +366,7 @@ def bench_cpu(path, results):
 def bench_gpu(path, args, results):
     import cupy as cp
     rows, lessons = [], {}
-    llm = LLM(str(path), device="cuda", gpu_memory_utilization=0.5)
+    llm = LLM(str(path), device="cuda", gpu_memory_utilization=0.3)
     rng = np.random.default_rng(0)
     one = [rng.integers(0, 50000, 64).tolist()]
 
@@ -412,17 +418,18 @@ def bench_gpu(path, args, results):
 
     # the KV cache: bytes per token, and how many sequences fit
     c = llm.config
-    per_token = 2 * c.n_layer * c.n_embd * 2
+    per_token = PagedKVCache.bytes_per_token(c.n_layer, c.n_head, c.head_dim, 2)
     pool = llm.kv.num_blocks * llm.kv.block_size
     mean_len = int(np.mean([len(p) for p in prompts]) + np.mean(lens))
     lessons["KV cache"] = (f"{per_token / 1024:.0f} KiB per token; the pool holds {pool:,} tokens: "
                            f"{pool // (-(-mean_len // 16) * 16):,} sequences of the mixed workload's mean length "
                            f"{mean_len} paged, {pool // c.n_ctx:,} reserving n_ctx={c.n_ctx} each")
     del llm
+    gc.collect()
 
     # gpt2-xl single stream against its weight-bandwidth floor
     with tempfile.TemporaryDirectory() as tmp:
-        xl = LLM(str(random_checkpoint("gpt2-xl", tmp)), device="cuda", gpu_memory_utilization=0.5)
+        xl = LLM(str(random_checkpoint("gpt2-xl", tmp)), device="cuda", gpu_memory_utilization=0.3)
         weight_bytes = sum(w.nbytes for w in xl.model.w.values())
         floor = Roofline(xl.backend).ceilings()[0] * 1e9 / weight_bytes  # every weight read once per token
         tps_xl, _ = time_generate(xl, one, 128)

@@ -361,7 +361,7 @@ class CudaBackend:
 
     # ---- arrays -------------------------------------------------------------------------------
     def asarray(self, a, dtype=None):  # floating arrays take the backend's dtype, as in NumpyBackend
-        a = np.asarray(a) if not isinstance(a, cp.ndarray) else a
+        a = cp.asarray(a)
         return cp.ascontiguousarray(a, dtype=dtype or (self.dtype if a.dtype.kind == "f" else a.dtype))
 
     def tohost(self, a):
@@ -374,6 +374,7 @@ class CudaBackend:
         return cp.zeros(shape, dtype=self.dtype if dtype is None else dtype)
 
     def memory_info(self):
+        cp.get_default_memory_pool().free_all_blocks()  # blocks CuPy caches for reuse count as free here
         return cp.cuda.runtime.memGetInfo()  # (free, total) bytes
 
     def _ready(self, a, dtype=None):

@@ -990,7 +990,7 @@ def picked_near(logits, temperature, top_k, top_p, u, token, eps=1e-5):
     sum of kept p the kernel's rounding and the reference's may fall either side; nowhere else. sample_row's
     pick never decreases as u grows: bisect for the least u' in [u - eps, u + eps] whose pick reaches
     `token`, and see whether it is `token`."""
-    pick = lambda v: nanoinfer.sample_row(logits, temperature, top_k, top_p, v)
+    pick = lambda v: ni.sample_row(logits, temperature, top_k, top_p, v)
     lo, hi = u - eps, u + eps
     for _ in range(40):
         mid = (lo + hi) / 2
@@ -1017,10 +1017,10 @@ def test_sample_matches_definition():
     step = rng.integers(0, 1000, R).astype(np.int32)
     toks = be.sample(cp.asarray(logits), temp, top_k, top_p, seed, step)
     assert toks.dtype == np.int64 and toks.shape == (R,)
-    u = nanoinfer.uniform(seed, step)
+    u = ni.uniform(seed, step)
     for i in range(R):
         row = logits[i].astype(np.float64)
-        want = nanoinfer.sample_row(row, temp[i], top_k[i], top_p[i], u[i])
+        want = ni.sample_row(row, temp[i], top_k[i], top_p[i], u[i])
         assert toks[i] == want or picked_near(row, temp[i], top_k[i], top_p[i], float(u[i]), toks[i]), \
             f"row {i} {params[i]}: got {toks[i]}, the definition picks {want} (seed={SEED})"
 
