@@ -355,6 +355,8 @@ class CudaBackend:
         self.vec = 16 // self.dtype.itemsize  # elements per 16-byte vector
         self.num_sms = cp.cuda.Device().attributes["MultiProcessorCount"]
         self.fuse = True  # False runs bias, GELU and residual adds as separate elementwise kernels
+        self._gelu = cp.ElementwiseKernel("T x", "T y", "float v = x; y = 0.5f * v * (1.f + tanhf(0.7978845608f * "
+                                          "(v + 0.044715f * v * v * v)))", "gelu_tanh")  # the unfused GELU
         # split-K scratch, allocated once: a CUDA graph keeps pointers, so nothing it uses may move later
         self._counters = cp.zeros(1024, np.int32)  # split-K arrival counters (self-resetting)
         self._partial = cp.empty(SPLITK_SCRATCH, np.float32)  # split-K partial sums
@@ -426,8 +428,7 @@ class CudaBackend:
             if bias is not None:
                 y += bias
             if gelu:
-                y = cp.ElementwiseKernel("T x", "T y", "float v = x; y = 0.5f * v * (1.f + tanhf(0.7978845608f * "
-                                         "(v + 0.044715f * v * v * v)))", "gelu_tanh")(y)
+                y = self._gelu(y)
             if residual is not None:
                 y += residual
             return y if out_dtype is None else y.astype(out_dtype)

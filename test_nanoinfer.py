@@ -10,7 +10,6 @@ Error metric everywhere: max|ours - ref| / max|ref|, under TOL[dtype] (fp32 1e-4
 """
 import hashlib
 import importlib.resources
-import inspect
 import json
 import math
 import os
@@ -217,11 +216,8 @@ def rel_err(ours, ref):
 # logits against transformers, driving llm.model.forward with hand-built batches
 
 def forward(llm, batch):
-    """llm.model.forward on one Batch, as float64 host logits. (API.md says forward(batch); the code takes the
-    cache as a second argument, so pass it when asked for.)"""
-    wants_kv = len(inspect.signature(llm.model.forward).parameters) >= 2
-    out = llm.model.forward(batch, llm.kv) if wants_kv else llm.model.forward(batch)
-    return np.asarray(llm.backend.tohost(out), dtype=np.float64)
+    """llm.model.forward on one Batch, as float64 host logits."""
+    return np.asarray(llm.backend.tohost(llm.model.forward(batch, llm.kv)), dtype=np.float64)
 
 
 class Driver:
@@ -359,7 +355,7 @@ SAMPLED = dict(temperature=0.8, top_k=40, top_p=0.9, max_tokens=20, ignore_eos=T
 @pytest.mark.parametrize("dev", EXACT_DEVICES)
 def test_seeded_sampling_reproducible_and_batch_independent(tiny, dev):
     """A seeded request samples the same tokens alone, again, and beside other requests in the batch; another
-    seed gives other tokens; and each token is API.md's sampler applied to transformers' logits with
+    seed gives other tokens; and each token is the sampler's definition applied to transformers' logits with
     (seed, step = index of the new token)."""
     llm, prompt = make_llm(tiny, dev), "Once upon a time"
     alone = llm.generate(prompt, SamplingParams(seed=1234, **SAMPLED))[0]
@@ -376,7 +372,8 @@ def test_seeded_sampling_reproducible_and_batch_independent(tiny, dev):
 
 
 def spec_sample(logits, temperature, top_k, top_p, seed, step):
-    """The sampler exactly as API.md defines it, written independently of nanoinfer."""
+    """The sampler as its definition reads (temperature, top-k, top-p by thresholds, a splitmix64 uniform per
+    (seed, step), the first index whose running sum exceeds u times the kept mass), written independently."""
     if temperature == 0:
         return int(np.argmax(logits))
     M = 2 ** 64
@@ -397,7 +394,7 @@ def spec_sample(logits, temperature, top_k, top_p, seed, step):
 
 
 def test_sampler_follows_the_spec(dev):
-    """backend.sample against API.md's definition (temperature, top-k, top-p, splitmix64 seed/step) on random
+    """backend.sample against the sampler's definition (temperature, top-k, top-p, splitmix64 seed/step) on random
     logits; greedy is the first argmax."""
     rng = np.random.default_rng(5)
     R, V = 12, 3000
