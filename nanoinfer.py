@@ -57,8 +57,12 @@ def resolve_model(model):
         raise FileNotFoundError(f"--model {model!r} is neither a directory nor one of {', '.join(HF_REPOS)}: "
                                 "pass a GPT-2 name or a directory holding " + ", ".join(MODEL_FILES))
     from huggingface_hub import hf_hub_download
-    try:  # hf_hub_download shows a progress bar, and falls back to the cached copy when offline
-        files = [hf_hub_download(HF_REPOS[model], name) for name in MODEL_FILES]
+    try:  # the cached copy first, with no network round trip; else download, with a progress bar
+        files = [hf_hub_download(HF_REPOS[model], name, local_files_only=True) for name in MODEL_FILES]
+    except Exception:
+        files = None
+    try:
+        files = files or [hf_hub_download(HF_REPOS[model], name) for name in MODEL_FILES]
     except Exception as e:
         raise RuntimeError(
             f"could not download {model} ({HF_REPOS[model]}) from the Hugging Face Hub, and no cached copy is there "
