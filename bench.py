@@ -144,61 +144,6 @@ def torch_graph_decode(size, batch, context, steps=200):
     return ms
 
 
-def torch_graph_decode(size, batch, context, steps=200):
-    """The anchor: a plain PyTorch GPT-2 decode step (cuBLAS GEMMs, SDPA over a static KV cache of n_ctx
-    slots) captured in one CUDA graph -- the strongest thing a user could write in an afternoon.
-    Returns milliseconds per step (all `batch` sequences advance one token)."""
-    import torch
-    import torch.nn.functional as F
-    L, H, C = SIZES[size]
-    D, V, N_CTX, dev, dt = C // H, 50257, 1024, "cuda", torch.float16
-    gen = torch.Generator(device=dev).manual_seed(0)
-
-    def rand(*shape):
-        return 0.02 * torch.randn(*shape, device=dev, dtype=dt, generator=gen)
-    wte, wpe = rand(V, C), rand(N_CTX, C)
-    layers = [[rand(3 * C, C), rand(3 * C), rand(C, C), rand(C), rand(4 * C, C), rand(4 * C), rand(C, 4 * C), rand(C)]
-              for _ in range(L)]
-    k_cache = torch.zeros(L, batch, H, N_CTX, D, device=dev, dtype=dt)
-    v_cache = torch.zeros_like(k_cache)
-    tok = torch.zeros(batch, dtype=torch.long, device=dev)
-    pos = torch.full((1,), context, dtype=torch.long, device=dev)
-    slots = torch.arange(N_CTX, device=dev)
-
-    def step():
-        x = wte[tok] + wpe[pos]  # (B, C)
-        mask = (slots <= pos).view(1, 1, 1, N_CTX)
-        for i, (w_qkv, b_qkv, w_o, b_o, w_fc, b_fc, w_pr, b_pr) in enumerate(layers):
-            qkv = F.linear(F.layer_norm(x, (C,)), w_qkv, b_qkv).view(batch, 3, H, 1, D)
-            k_cache[i].index_copy_(2, pos, qkv[:, 1])
-            v_cache[i].index_copy_(2, pos, qkv[:, 2])
-            a = F.scaled_dot_product_attention(qkv[:, 0], k_cache[i], v_cache[i], attn_mask=mask)
-            x = x + F.linear(a.reshape(batch, C), w_o, b_o)
-            x = x + F.linear(F.gelu(F.linear(F.layer_norm(x, (C,)), w_fc, b_fc), approximate="tanh"), w_pr, b_pr)
-        tok.copy_(F.linear(F.layer_norm(x, (C,)), wte).argmax(-1))
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(steps):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    ms = start.elapsed_time(end) / steps
-    del k_cache, v_cache
-    torch.cuda.empty_cache()
-    return ms
-
-
 # -----------------------------------------------------------------------------
 # the roofline: every kernel of a step, timed alone at the real shapes
 

@@ -636,7 +636,7 @@ __global__ void attention_merge(const float* part_o, const float* part_lse, cons
 }
 
 // ---------------------------------------------------------------------------------------------
-// sample_tokens: one token per row of fp32 logits (R, V), exactly as API.md defines it (greedy;
+// sample_tokens: one token per row of fp32 logits (R, V), as sample_row in nanoinfer.py defines it (greedy;
 // temperature; top-k and top-p as thresholds on p = exp((logit - max) / temperature); a counter-based
 // splitmix64 uniform; the first index whose running sum of kept p exceeds u * kept mass). One block
 // per row, so only R token ids leave the GPU, never the logits. No sort: for p >= 0 the float bit

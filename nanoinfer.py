@@ -581,6 +581,8 @@ class Batch:
 
 
 class GPT:
+    """GPT-2's forward pass, written once against the backend's op set."""
+
     def __init__(self, config, weights, backend):
         self.config, self.backend = config, backend
         self.w = {name: backend.asarray(a) for name, a in weights.items()}
@@ -612,8 +614,9 @@ class GPT:
         y = be.layernorm(h[d.logits_idx], w["ln_f.weight"], w["ln_f.bias"], c.eps)  # (R, C)
         return be.matmul(y, w["wte.weight"], out_dtype=np.float32)  # (R, V), tied to the embedding
 
+
 class DecodeGraph:
-    """A decode step of up to B sequences replayed from one CUDA graph: the ~100 kernel launches of a step
+    """A decode step of up to B sequences replayed from one CUDA graph: the ~120 kernel launches of a step
     cost one launch instead of ~7 us of Python and driver time each. A graph freezes every pointer and scalar
     it was captured with, so the step's inputs live in one fixed buffer (a step costs one host-to-device copy),
     attention is planned for the longest context (its kernels stop at each row's real length), unused rows
