@@ -778,7 +778,8 @@ class LLM:
         c = self.config
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
-        elif all(isinstance(t, (int, np.integer)) and 0 <= t < c.vocab_size for t in prompt):
+        elif isinstance(prompt, (list, tuple, np.ndarray)) and \
+                all(isinstance(t, (int, np.integer)) and 0 <= t < c.vocab_size for t in prompt):
             ids = [int(t) for t in prompt]
         else:
             raise ValueError(f"a prompt is a string or a list of token ids in [0, {c.vocab_size})")
@@ -833,7 +834,7 @@ class LLM:
         for seq, n in scheduled:
             seq.num_computed += n
         events = []
-        for seq, token, row in zip(sampling, tokens, range(len(sampling))):
+        for row, (seq, token) in enumerate(zip(sampling, tokens)):
             if seq.logprobs is not None:
                 seq.logprobs.append(self._logprobs(logits[row], int(token), seq.params.logprobs))
             seq.append(int(token), self.config.n_ctx)
@@ -893,7 +894,8 @@ class LLM:
                     yield index[rid], delta, out
 
     def generate(self, prompts, params=None):
-        """Run prompts to completion, continuously batched. One RequestOutput per prompt, in order."""
+        """Run prompts to completion, continuously batched. One RequestOutput per prompt, in order. (Requests
+        queued earlier with add_request advance too; their events are step()'s to report, not generate's.)"""
         outputs = {}
         for i, _, out in self.stream(prompts, params):
             if out is not None:
