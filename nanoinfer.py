@@ -209,7 +209,6 @@ def sample_row(logits, temperature, top_k, top_p, u):
 
 class NumpyBackend:
     """Every op of the forward pass, in numpy: short enough to read as the definition of what the kernels do."""
-    xp = np
     name = "cpu"
 
     def __init__(self, dtype=np.float32):
@@ -353,7 +352,6 @@ class CudaBackend:
         self.dtype = np.dtype(dtype)
         if self.dtype not in (np.float16, np.float32):
             raise ValueError(f"CudaBackend: dtype must be float16 or float32, got {self.dtype}")
-        self.xp = cp
         self.k = compile_kernels()
         self.t = "half" if self.dtype == np.float16 else "float"
         self.vec = 16 // self.dtype.itemsize  # elements per 16-byte vector
@@ -625,7 +623,7 @@ class DecodeGraph:
 
     def __init__(self, model, kv, B):
         be, c = model.backend, model.config
-        self.B, max_blocks = B, -(-c.n_ctx // kv.block_size)
+        self.B, max_blocks = B, kv.blocks_needed(c.n_ctx)
         fields = [("seed", 2 * B), ("temperature", B), ("top_p", B), ("top_k", B), ("step", B), ("input_ids", B),
                   ("positions", B), ("slot_mapping", B), ("context_lens", B), ("block_tables", B * max_blocks)]
         self.host = np.zeros(sum(n for _, n in fields), np.int32)  # (all fields,) in one int32 buffer
@@ -702,22 +700,20 @@ class SamplingParams:
     def __post_init__(self):
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        checks = {
-            "max_tokens": isinstance(self.max_tokens, int) and self.max_tokens >= 1,
-            "temperature": isinstance(self.temperature, (int, float)) and 0 <= self.temperature < math.inf,
-            "top_p": isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1,
-            "top_k": isinstance(self.top_k, int) and self.top_k >= 0,
-            "seed": self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2 ** 64),
-            "stop": self.stop is None or (isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop)),
-            "logprobs": self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
-        }
-        rules = {"max_tokens": "an integer >= 1", "temperature": "a number >= 0 (0 is greedy)",
-                 "top_p": "a number in (0, 1]", "top_k": "an integer >= 0 (0 is off)",
-                 "seed": "None or an integer in [0, 2**64)", "stop": "None, a string, or a list of non-empty strings",
-                 "logprobs": "None or an integer in [0, 20]"}
-        for name, ok in checks.items():
+        stop_ok = isinstance(self.stop, list) and all(isinstance(x, str) and x for x in self.stop)
+        for name, ok, rule in (
+                ("max_tokens", isinstance(self.max_tokens, int) and self.max_tokens >= 1, "an integer >= 1"),
+                ("temperature", isinstance(self.temperature, (int, float)) and 0 <= self.temperature < math.inf,
+                 "a number >= 0 (0 is greedy)"),
+                ("top_p", isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1, "a number in (0, 1]"),
+                ("top_k", isinstance(self.top_k, int) and self.top_k >= 0, "an integer >= 0 (0 is off)"),
+                ("seed", self.seed is None or isinstance(self.seed, int) and 0 <= self.seed < 2 ** 64,
+                 "None or an integer in [0, 2**64)"),
+                ("stop", self.stop is None or stop_ok, "None, a string, or a list of non-empty strings"),
+                ("logprobs", self.logprobs is None or isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20,
+                 "None or an integer in [0, 20]")):
             if not ok or isinstance(getattr(self, name), bool):
-                raise ValueError(f"SamplingParams.{name}={getattr(self, name)!r}: must be {rules[name]}")
+                raise ValueError(f"SamplingParams.{name}={getattr(self, name)!r}: must be {rule}")
 
 
 @dataclass
