@@ -5,10 +5,12 @@ Measurements. Every speed is printed beside a ceiling or a reference measured in
     python bench.py --device cuda --json out.json --plot roofline.png
 
 On the GPU: the two ceilings (device copy bandwidth, cuBLAS fp16), a roofline table of every kernel of a
-decode step (batch 1 and 64) and of a 2048-token prefill, the end-to-end workloads beside a plain PyTorch
-decode step captured in a CUDA graph (the anchor), and one number per lesson: CUDA graphs on/off, fusion
-on/off, the batch sweep, continuous against static batching, paged against reserved KV memory, and time
-to first token against total time. --model takes a GPT-2 name, a directory, or random:SIZE (random
+decode step (batch 1 and 64) and of a 2048-token prefill, the kernel targets (prefill matmuls against
+cuBLAS at the same shape, memory-bound kernels on data larger than L2 against the copy ceiling), the
+end-to-end workloads beside a plain PyTorch decode step captured in a CUDA graph (the anchor), and one
+number per lesson: CUDA graphs on/off, multi-step decoding on/off, fusion on/off, the batch sweep,
+continuous against static batching, paged against reserved KV memory, and time to first token against
+total time. --model takes a GPT-2 name, a directory, or random:SIZE (random
 weights at the real shapes of gpt2 .. gpt2-xl: speed does not depend on the values).
 """
 import argparse
@@ -22,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from nanoinfer import LLM, Batch, GPTConfig, SamplingParams, expected_shapes
+from nanoinfer import GEMV_MAX_M, LLM, LOOKAHEAD, Batch, GPTConfig, SamplingParams, expected_shapes
 from paged_kv import PagedKVCache
 
 SIZES = {"gpt2": (12, 12, 768), "gpt2-medium": (24, 16, 1024), "gpt2-large": (36, 20, 1280), "gpt2-xl": (48, 25, 1600)}
@@ -205,26 +207,31 @@ class Roofline:
     def record(self, work, kernel, shape, us, nbytes, flops):
         self.rows.append(dict(work=work, kernel=kernel, shape=shape, us=us, bytes=nbytes, flops=flops))
 
-    def matmul(self, work, name, M, N, K, gelu=False, residual=False, bias=True):
-        nbytes = (N * K + M * K + M * N + N * bias + M * N * residual) * 2
+    def matmul(self, work, name, M, N, K, gelu=False, residual=False, bias=True, ln=False, out_dtype=None):
+        """A matmul as the forward pass calls it: with its layernorm in front (fused into it at decode), its
+        epilogue, and fp32 output for the logits."""
+        nbytes = (N * K + M * K + M * N * (1 + (out_dtype is not None)) + N * bias + M * N * residual + 2 * K * ln) * 2
         n = self.n_rot(nbytes)
         xs, ws = [self.randn(M, K) for _ in range(min(n, 4))], [self.randn(N, K) / math.sqrt(K) for _ in range(n)]
         b, r = self.randn(N) if bias else None, self.randn(M, N) if residual else None
-        us = self.time_graph(lambda i: self.be.matmul(xs[i % len(xs)], ws[i], b, gelu, r), n)
+        norm = (self.randn(K), self.randn(K), 1e-5) if ln else None
+        us = self.time_graph(lambda i: self.be.matmul(xs[i % len(xs)], ws[i], b, gelu, r, norm, out_dtype), n)
         self.record(work, name, f"{M}x{N}x{K}", us, nbytes, 2 * M * N * K)
+        return us
 
     def step_kernels(self, work, T, seqs):
         """The kernels of one step over T tokens; seqs = [(queries, context)] for attention."""
         cp, be, C, H, V = self.cp, self.be, self.C, self.H, self.V
-        n = self.n_rot(4 * T * C * 2, cap=256)
-        xs, res, w = [self.randn(T, C) for _ in range(n)], [self.randn(T, C) for _ in range(n)], self.randn(C)
-        self.record(work, "layernorm+res", f"{T}x{C}", self.time_graph(
-            lambda i: be.layernorm(xs[i], w, w, 1e-5, res[i]), n), 4 * T * C * 2, 10 * T * C)
         wte, wpe = self.randn(V, C), self.randn(1024, C)
         ids = [cp.asarray(np.random.randint(0, 1024, T).astype(np.int32)) for _ in range(64)]
         self.record(work, "embed", f"{T}x{C}", self.time_graph(
             lambda i: be.embed(wte, wpe, ids[i], ids[i]), 64), 3 * T * C * 2, T * C)
-        self.matmul(work, "qkv", T, 3 * C, C)
+        if T > GEMV_MAX_M:  # prefill: layernorm is a kernel of its own (decode fuses it into the matmul)
+            n = self.n_rot(2 * T * C * 2, cap=256)
+            xs, w = [self.randn(T, C) for _ in range(n)], self.randn(C)
+            self.record(work, "layernorm", f"{T}x{C}", self.time_graph(lambda i: be.layernorm(xs[i], w, w, 1e-5), n),
+                        2 * T * C * 2, 8 * T * C)
+        self.matmul(work, "ln+qkv", T, 3 * C, C, ln=True)
         # attention over scattered blocks of one pool, several batches of the same shapes
         n_q, ctx = np.array([q for q, _ in seqs]), np.array([c for _, c in seqs])
         nblk = -(-ctx // 16)
@@ -248,16 +255,65 @@ class Roofline:
         self.record(work, "cache_write", f"{T}x{C}", self.time_graph(  # q stands in for this step's k and v
             lambda i: be.cache_write(q, q, k_cache, v_cache, slots[i]), n), 4 * T * C * 2, 0)
         self.matmul(work, "attn_proj+res", T, C, C, residual=True)
-        self.matmul(work, "fc+gelu", T, 4 * C, C, gelu=True)
+        self.matmul(work, "ln+fc+gelu", T, 4 * C, C, gelu=True, ln=True)
         self.matmul(work, "mlp_proj+res", T, C, 4 * C, residual=True)
         R = len(seqs)
-        self.matmul(work, "lm_head", R, V, C, bias=False)
+        self.matmul(work, "ln+lm_head", R, V, C, bias=False, ln=True, out_dtype=np.float32)
         logits = [self.randn(R, V, dtype=np.float32) * 3 for _ in range(8)]
         temp, top_k, top_p = cp.full(R, 0.8, np.float32), cp.full(R, 50, np.int32), cp.full(R, 0.9, np.float32)
         seed, step = cp.arange(R, dtype=np.uint64), cp.zeros(R, np.int32)
         for name, t in (("sample greedy", temp * 0), ("sample k50 p.9", temp)):
             us = self.time_graph(lambda i: be.sample_device(logits[i], t, top_k, top_p, seed, step), 8)
             self.record(work, name, f"{R}x{V}", us, R * V * 4, 0)
+
+    def time_queued(self, fn, reps=50):
+        """Microseconds per fn() on the GPU for calls that cannot be captured in a graph (cuBLAS): the
+        calls are queued behind a 20 ms spin kernel, so they run back to back whatever the host's speed."""
+        cp = self.cp
+        spin = cp.RawKernel(r'''extern "C" __global__ void spin(long long cycles) {
+            long long t = clock64(); while (clock64() - t < cycles) {} }''', "spin")
+        with self.stream:
+            fn()
+            times = []
+            for _ in range(5):
+                spin((1,), (1,), (np.int64(2e9 * 0.02),))
+                e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+                e0.record(self.stream)
+                for _ in range(reps):
+                    fn()
+                e1.record(self.stream)
+                e1.synchronize()
+                times.append(cp.cuda.get_elapsed_time(e0, e1) * 1e3 / reps)
+        return float(np.median(times))
+
+    def targets(self):
+        """Issue 4's kernel targets: prefill matmuls against cupy.matmul (cuBLAS) at the same shape, and the
+        memory-bound kernels on data larger than L2 against the copy ceiling."""
+        cp, be, C, rows = self.cp, self.be, self.C, []
+        for M, N, K in ((2048, 3 * C, C), (2048, C, C), (2048, 4 * C, C), (2048, C, 4 * C), (8192, 4 * C, C)):
+            x, w = self.randn(M, K), self.randn(N, K) / math.sqrt(K)
+            wt = cp.ascontiguousarray(w.T)  # (K, N) for cuBLAS, its best layout
+            ours, ref = self.time_queued(lambda: be.matmul(x, w)), self.time_queued(lambda: cp.matmul(x, wt))
+            rows.append((f"prefill matmul {M}x{N}x{K}", 2 * M * N * K / ours / 1e6, "TFLOP/s",
+                         2 * M * N * K / ref / 1e6, "cuBLAS", 0.6))
+        for name, M, N, K in (("lm_head", 1, 50257, C), ("gpt2-xl fc", 1, 6400, 1600), ("gpt2-xl proj", 1, 1600, 6400)):
+            us = self.matmul("target", name, M, N, K, bias=False, ln=name == "lm_head",
+                             out_dtype=np.float32 if name == "lm_head" else None)
+            rows.append((f"decode matmul {name} {M}x{N}x{K}", self.rows[-1]["bytes"] / us / 1e3, "GB/s",
+                         self.copy_gbs, "copy", 0.7))
+        self.step_kernels("target", 64, [(1, 512)] * 64)  # attention over 64 x 512 tokens: 100 MB of K and V
+        att = next(r for r in self.rows[::-1] if r["kernel"] == "attention")
+        rows.append((f"decode attention {att['shape']}", att["bytes"] / att["us"] / 1e3, "GB/s", self.copy_gbs, "copy", 0.6))
+        self.rows = [r for r in self.rows if r["work"] != "target"]
+        T = 65536  # 96 MB in, 96 MB out
+        x, w = self.randn(T, C), self.randn(C)
+        us = self.time_queued(lambda: be.layernorm(x, w, w, 1e-5), reps=20)
+        rows.append((f"layernorm {T}x{C}", 2 * T * C * 2 / us / 1e3, "GB/s", self.copy_gbs, "copy", 0.6))
+        lines = [f"{'kernel target':42} {'ours':>9} {'reference':>18} {'ratio':>6} {'target':>6}  met"]
+        for name, ours, unit, ref, ref_name, target in rows:
+            lines.append(f"{name:42} {ours:9,.0f} {f'{ref:,.0f} {ref_name}':>18} {ours / ref:6.0%} {target:6.0%}  "
+                         f"{'yes' if ours >= target * ref else 'NO'}   ({unit})")
+        return rows, "\n".join(lines)
 
     def table(self):
         ridge = self.cublas_tflops * 1e3 / self.copy_gbs  # FLOP per byte where the two ceilings meet
@@ -315,7 +371,7 @@ def bench_gpu(path, args, results):
     rng = np.random.default_rng(0)
     one = [rng.integers(0, 50000, 64).tolist()]
 
-    # single stream, and the two switches
+    # single stream, and its switches
     tps, dt = time_generate(llm, one, 256)
     anchor_ms = torch_graph_decode("gpt2", 1, 320)
     rows.append(dict(workload="single stream, prompt 64 -> 256", ours=tps, anchor=1e3 / anchor_ms,
@@ -324,9 +380,12 @@ def bench_gpu(path, args, results):
     lessons["transformers generate, single stream (tok/s)"] = ref
     llm.cuda_graphs = False
     lessons["CUDA graphs off: single stream tok/s (on: %.0f)" % tps] = time_generate(llm, one, 256)[0]
-    llm.cuda_graphs, llm.backend.fuse = True, False
+    llm.cuda_graphs, llm.lookahead = True, 1
+    lessons["multi-step decoding off (one graph run, and one wait for its token, per step): single stream tok/s "
+            "(on: %.0f)" % tps] = time_generate(llm, one, 256)[0]
+    llm.lookahead, llm.backend.fuse = LOOKAHEAD, False
     llm._graphs.clear()
-    lessons["fusion off (separate bias/GELU/residual kernels): single stream tok/s (on: %.0f)" % tps] = \
+    lessons["fusion off (layernorm, bias, GELU, residual as kernels of their own): single stream tok/s (on: %.0f)" % tps] = \
         time_generate(llm, one, 256)[0]
     llm.backend.fuse = True
     llm._graphs.clear()
@@ -411,7 +470,9 @@ def main():
                 roof.step_kernels(f"decode{B}", B, [(1, 512)] * B)
             roof.step_kernels("prefill2048", 2048, [(1024, 1024)] * 2)
             print(roof.table(), flush=True)
-            results.update(copy_gbs=copy_gbs, cublas_tflops=cublas, roofline=roof.rows)
+            targets, text = roof.targets()
+            print(text, flush=True)
+            results.update(copy_gbs=copy_gbs, cublas_tflops=cublas, roofline=roof.rows, kernel_targets=targets)
             if args.plot:
                 roof.plot(args.plot)
             rows = bench_gpu(path, args, results)

@@ -51,6 +51,12 @@ __device__ __forceinline__ float epilogue(float acc, const T* bias, const T* res
     return acc;
 }
 
+// matmul outputs are fp16, or fp32 for the logits (the lm_head's accumulator, never rounded to fp16)
+__device__ __forceinline__ void store_y(void* y, long i, float v, int y_f32) {
+    if (y_f32) reinterpret_cast<float*>(y)[i] = v;
+    else reinterpret_cast<half*>(y)[i] = __float2half_rn(v);
+}
+
 // tensor-core building blocks (inline PTX: NVRTC needs no mma.h)
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
     unsigned a;
@@ -98,8 +104,7 @@ __device__ __forceinline__ unsigned pack_half2(float lo, float hi) {
 template <int BM>
 __global__ void __launch_bounds__(256) matmul_tc(const half* __restrict__ x, const half* __restrict__ w,
                                                  const half* __restrict__ bias, const half* __restrict__ residual,
-                                                 half* __restrict__ y,
-                                                 int M, int N, int K, int gelu) {
+                                                 void* __restrict__ y, int M, int N, int K, int gelu, int y_f32) {
     constexpr int BN = 128, BK = 64, LD = BK + 8, STAGES = 3, WM = BM / 2, MI = WM / 16;
     extern __shared__ __align__(16) unsigned char smem[];
     half* As = reinterpret_cast<half*>(smem);  // [STAGES][BM][LD]
@@ -161,20 +166,150 @@ __global__ void __launch_bounds__(256) matmul_tc(const half* __restrict__ x, con
                 int row = m0 + wm * WM + i * 16 + g + hf * 8, col = n0 + wn * 32 + j * 8 + 2 * t;
                 if (row >= M) continue;
                 float v0 = epilogue(acc[i][j][2 * hf], bias, residual, gelu, row, col, N);
-                if (col + 1 < N && (N & 1) == 0) {
+                if (col + 1 < N && (N & 1) == 0 && !y_f32) {  // one 4-byte store for the pair
                     float v1 = epilogue(acc[i][j][2 * hf + 1], bias, residual, gelu, row, col + 1, N);
-                    *reinterpret_cast<half2*>(y + (long)row * N + col) = __floats2half2_rn(v0, v1);
+                    *reinterpret_cast<half2*>(reinterpret_cast<half*>(y) + (long)row * N + col) = __floats2half2_rn(v0, v1);
                 } else {
-                    if (col < N) y[(long)row * N + col] = __float2half_rn(v0);
+                    if (col < N) store_y(y, (long)row * N + col, v0, y_f32);
                     if (col + 1 < N)
-                        y[(long)row * N + col + 1] = __float2half_rn(
-                            epilogue(acc[i][j][2 * hf + 1], bias, residual, gelu, row, col + 1, N));
+                        store_y(y, (long)row * N + col + 1,
+                                epilogue(acc[i][j][2 * hf + 1], bias, residual, gelu, row, col + 1, N), y_f32);
                 }
             }
 }
 
 // ---------------------------------------------------------------------------------------------
-// matmul_skinny: the same y = epilogue(x @ w.T) for decode, M <= 8*MT <= 64 rows of x.
+// matmul_gemv: y = epilogue(ln(x) @ w.T) for decode at M <= MR <= 8 rows of x (single stream, small
+// batches), with the layernorm in front of the matmul optionally fused into its prologue.
+// Memory-bound: 2*M*N*K FLOPs over N*K*2 bytes of weights, read once. At GPT-2 sizes a matrix streams
+// in 1-3 us, so what counts is latency: one warp owns one row of w, and each lane issues every 16-byte
+// load of its share of the row (K <= 4096: 16 loads, one round) before doing anything else, so the whole
+// matrix is in flight at once and the kernel pays about one HBM round trip. While those loads fly, the
+// block copies the M rows of x into shared memory, normalising them on the way when ln_w is given
+// (every thread takes one 16-byte chunk of each row, the statistics are two block-wide sums): the
+// layernorm costs one L2 read of x per block instead of a kernel of its own. Each lane then does its
+// dot products in fp32 and the warp adds them up with shuffles; lane m finishes row m. Meant for one
+// wave of blocks (N up to a few thousand): the lm_head's 50257 rows go to matmul_skinny.
+template <int MR>
+__global__ void __launch_bounds__(256, 2) matmul_gemv(const half* __restrict__ x, const half* __restrict__ w,
+                                                   const half* __restrict__ bias, const half* __restrict__ residual,
+                                                   void* __restrict__ y, int M, int N, int K, int gelu, int y_f32,
+                                                   const half* __restrict__ ln_w, const half* __restrict__ ln_b,
+                                                   float eps) {
+    constexpr int R = 16;  // 16-byte loads of w per lane per round: 32 lanes * 8 halves * 16 = 4096 of K
+    extern __shared__ __align__(16) unsigned char smem[];
+    half* xs = reinterpret_cast<half*>(smem);  // (M, K): the rows of x, normalised when ln_w is given
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n = blockIdx.x * 8 + warp;
+    const half* wrow = w + (long)min(n, N - 1) * K;  // a row past N computes garbage that is never stored
+    uint4 wv[R];
+    auto load_round = [&](int k0) {
+#pragma unroll
+        for (int j = 0; j < R; j++) {
+            int k = k0 + (j * 32 + lane) * 8;
+            if (k < K) wv[j] = load16_stream(wrow + k);
+        }
+    };
+    load_round(0);
+
+    if (!ln_w) {  // prologue: the block stages x (M, K) in shared memory while the weights are on their way
+        for (int i = threadIdx.x * 8; i < M * K; i += 256 * 8) store16(xs + i, load16(x + i));
+    } else {  // ... normalised: K <= 2048, so each thread owns one 16-byte chunk of each row, all loaded at once
+        __shared__ float red[8][MR];
+        const int k = threadIdx.x * 8;
+        const bool mine = k < K;
+        uint4 gw, gb;
+        float s[MR];
+        if (mine) { gw = load16(ln_w + k); gb = load16(ln_b + k); }
+#pragma unroll
+        for (int m = 0; m < MR; m++) {
+            s[m] = 0.f;
+            if (m < M && mine) {  // each thread re-reads only its own chunks: no barrier needed
+                uint4 v = load16(x + (long)m * K + k);
+                store16(xs + m * K + k, v);
+                const half* e = reinterpret_cast<const half*>(&v);
+#pragma unroll
+                for (int i = 0; i < 8; i++) s[m] += __half2float(e[i]);
+            }
+        }
+        float mean[MR], rstd[MR];
+        for (int pass = 0; pass < 2; pass++) {  // pass 0: the mean; pass 1: the centred sum of squares
+#pragma unroll
+            for (int m = 0; m < MR; m++) {
+                float v = warp_sum(s[m]);
+                if (lane == 0) red[warp][m] = v;
+            }
+            __syncthreads();
+#pragma unroll
+            for (int m = 0; m < MR; m++) {
+                float total = 0.f;
+                for (int w8 = 0; w8 < 8; w8++) total += red[w8][m];
+                if (pass == 0) mean[m] = total / K;
+                else rstd[m] = rsqrtf(total / K + eps);
+            }
+            __syncthreads();  // red is reused by pass 1
+#pragma unroll
+            for (int m = 0; m < MR; m++) {
+                s[m] = 0.f;
+                if (pass == 0 && m < M && mine) {
+                    uint4 v = load16(xs + m * K + k);
+                    const half* e = reinterpret_cast<const half*>(&v);
+#pragma unroll
+                    for (int i = 0; i < 8; i++) s[m] += (__half2float(e[i]) - mean[m]) * (__half2float(e[i]) - mean[m]);
+                }
+            }
+        }
+#pragma unroll
+        for (int m = 0; m < MR; m++) {
+            if (m >= M || !mine) continue;
+            uint4 v = load16(xs + m * K + k), out;
+            const half *e = reinterpret_cast<const half*>(&v), *ge = reinterpret_cast<const half*>(&gw),
+                       *be = reinterpret_cast<const half*>(&gb);
+            half* oe = reinterpret_cast<half*>(&out);
+#pragma unroll
+            for (int i = 0; i < 8; i++)  // rounded to fp16, as the layernorm kernel writes it
+                oe[i] = __float2half_rn((__half2float(e[i]) - mean[m]) * rstd[m] * __half2float(ge[i]) + __half2float(be[i]));
+            store16(xs + m * K + k, out);
+        }
+    }
+    __syncthreads();
+
+    float acc[MR] = {};
+    for (int k0 = 0;;) {
+#pragma unroll
+        for (int j = 0; j < R; j++) {
+            int k = k0 + (j * 32 + lane) * 8;
+            if (k >= K) break;
+            float wf[8];
+            const half2* wh = reinterpret_cast<const half2*>(&wv[j]);
+#pragma unroll
+            for (int i = 0; i < 4; i++) { float2 f = __half22float2(wh[i]); wf[2 * i] = f.x; wf[2 * i + 1] = f.y; }
+#pragma unroll
+            for (int m = 0; m < MR; m++) {
+                if (m >= M) break;
+                uint4 xv = load16(xs + m * K + k);
+                const half2* xh = reinterpret_cast<const half2*>(&xv);
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    float2 f = __half22float2(xh[i]);
+                    acc[m] += wf[2 * i] * f.x + wf[2 * i + 1] * f.y;
+                }
+            }
+        }
+        k0 += R * 256;
+        if (k0 >= K) break;
+        load_round(k0);
+    }
+    float mine = 0.f;  // lane m keeps row m's total
+#pragma unroll
+    for (int m = 0; m < MR; m++) {
+        float s = warp_sum(acc[m]);
+        if (lane == m) mine = s;
+    }
+    if (n < N && lane < M) store_y(y, (long)lane * N + n, epilogue(mine, bias, residual, gelu, lane, n, N), y_f32);
+}
+
+// ---------------------------------------------------------------------------------------------
+// matmul_skinny: the same y = epilogue(x @ w.T) for larger decode batches, M <= 8*MT <= 64 rows of x.
 // Memory-bound: 2*M*N*K FLOPs over N*K*2 bytes of weights, which must stream at full bandwidth; a
 // 128-row tile would be mostly empty. A block owns 16 rows of w and uses the tensor cores with the
 // roles swapped: w is the mma's A (16 x k16), 8 rows of x are its B. A dot product does not care in
@@ -188,9 +323,8 @@ __global__ void __launch_bounds__(256) matmul_tc(const half* __restrict__ x, con
 template <int MT>
 __global__ void __launch_bounds__(128) matmul_skinny(const half* __restrict__ x, const half* __restrict__ w,
                                                      const half* __restrict__ bias, const half* __restrict__ residual,
-                                                     half* __restrict__ y,
-                                                     int M, int N, int K, int gelu, int k_per_split,
-                                                     float* partial, int* counters) {
+                                                     void* __restrict__ y, int M, int N, int K, int gelu, int y_f32,
+                                                     int k_per_split, float* partial, int* counters) {
     constexpr int U = MT >= 4 ? 2 : 4;  // chunks per warp step: bytes in flight vs registers
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3, n0 = blockIdx.x * 16;
     const int k_begin = blockIdx.y * k_per_split, k_end = min(K, k_begin + k_per_split);
@@ -278,7 +412,7 @@ __global__ void __launch_bounds__(128) matmul_skinny(const half* __restrict__ x,
 #pragma unroll
         for (int e = 0; e < 4; e++) {
             int m = mt * 8 + 2 * t + (e & 1), n = n0 + g + 8 * (e >> 1);
-            if (m < M && n < N) y[(long)m * N + n] = __float2half_rn(acc[mt][e]);
+            if (m < M && n < N) store_y(y, (long)m * N + n, acc[mt][e], y_f32);
         }
 }
 
@@ -316,14 +450,13 @@ extern "C" __global__ void __launch_bounds__(256) matmul_f32(const float* __rest
 }
 
 // ---------------------------------------------------------------------------------------------
-// layernorm: y = (r - mean) / sqrt(var + eps) * w + b per row, where r = x, or, given a residual,
-// r = residual + x, written back to residual first (the residual-stream update fused in).
-// Memory-bound: bytes = T*C*sizeof(T) * (2 reads + 1 write, or 3 + 2 with the residual), ~8 FLOPs
-// per element. One warp per row; each lane keeps its slice (up to 64 values, so C <= 2048) in
-// registers, so the row is read once: mean first, then the centred sum of squares (no cancellation).
+// layernorm: y = (x - mean) / sqrt(var + eps) * w + b per row. Decode folds it into the next matmul's
+// prologue (matmul_gemv); this kernel serves prefill, where the tiled matmul reads x through cp.async.
+// Memory-bound: bytes = 2*T*C*sizeof(T) (read x, write y), ~8 FLOPs per element. One warp per row;
+// each lane keeps its slice (up to 64 values, so C <= 2048) in registers, so the row is read once:
+// mean first, then the centred sum of squares (no cancellation).
 template <typename T>
-__global__ void __launch_bounds__(128) layernorm(const T* x, T* residual, const T* w, const T* b, T* y,
-                                                 int rows, int C, float eps) {
+__global__ void __launch_bounds__(128) layernorm(const T* x, const T* w, const T* b, T* y, int rows, int C, float eps) {
     constexpr int VEC = 16 / sizeof(T), NV = 64 / VEC;
     const int row = blockIdx.x * 4 + threadIdx.x / 32, lane = threadIdx.x % 32;
     if (row >= rows) return;
@@ -336,22 +469,11 @@ __global__ void __launch_bounds__(128) layernorm(const T* x, T* residual, const 
         if (c >= C) break;
         uint4 xr = load16(x + off + c);
         const T* xe = reinterpret_cast<const T*>(&xr);
-        if (residual) {
-            uint4 rr = load16(residual + off + c), out;
-            const T* re = reinterpret_cast<const T*>(&rr);
-            T* oe = reinterpret_cast<T*>(&out);
 #pragma unroll
-            for (int j = 0; j < VEC; j++) {
-                oe[j] = from_float<T>(to_float(re[j]) + to_float(xe[j]));
-                v[i][j] = to_float(oe[j]);
-            }
-            store16(residual + off + c, out);
-        } else {
-#pragma unroll
-            for (int j = 0; j < VEC; j++) v[i][j] = to_float(xe[j]);
+        for (int j = 0; j < VEC; j++) {
+            v[i][j] = to_float(xe[j]);
+            sum += v[i][j];
         }
-#pragma unroll
-        for (int j = 0; j < VEC; j++) sum += v[i][j];
     }
     const float mean = warp_sum(sum) / C;
     float sq = 0.f;
@@ -542,18 +664,22 @@ extern "C" __global__ void __launch_bounds__(128) attention_prefill(
 // bytes (K and V) for 4*len*64 FLOPs per (row, head). Lanes work in groups of 64/VEC (8 for fp16), one
 // key per group, one 16-byte load of K and of V per lane; each group keeps its own running max, sum
 // and output, merged across the warp and then across the 4 warps at the end. With one split the
-// result goes straight to `out`; with several, each split writes its normalised output and log-sum-exp
-// and attention_merge combines them, so 12 heads of one sequence still fill 132 SMs.
+// result goes straight to `out`. With several (so that 12 heads of one sequence still fill 132 SMs),
+// each split writes its normalised output and log-sum-exp, and the last split of a (row, head) to
+// finish (an arrival counter, as in matmul_skinny) combines them: out = sum_s exp2(lse_s - max) * o_s
+// / sum_s exp2(lse_s - max). The merge lives in the same kernel, so it costs no launch of its own.
 template <typename T>
 __global__ void __launch_bounds__(128) attention_rows(
     const T* __restrict__ q, int q_stride, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
     const int* block_tables, int max_blocks, int block_size, const int* row_q, const int* row_seq,
-    const int* row_len, int H, float scale_log2, T* out, float* part_o, float* part_lse) {
+    const int* row_len, int H, float scale_log2, T* out, float* part_o, float* part_lse, int* counters) {
     constexpr int D = 64, VEC = 16 / sizeof(T), LPK = D / VEC, KPW = 32 / LPK;  // lanes per key, keys per warp
-    const int r = blockIdx.x, h = blockIdx.y, split = blockIdx.z, nsplit = gridDim.z;
+    const int r = blockIdx.x, h = blockIdx.y, split = blockIdx.z;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, grp = lane / LPK, sub = lane % LPK;
-    const int qr = row_q[r], len = row_len[r], chunk = (len + nsplit - 1) / nsplit;
-    const int k_begin = split * chunk, k_end = min(len, k_begin + chunk);
+    // at least 32 keys per split: a short row (or a CUDA graph planned for the longest context) uses fewer
+    const int qr = row_q[r], len = row_len[r], nsplit = min((int)gridDim.z, (len + 31) / 32);
+    if (split >= nsplit) return;
+    const int chunk = (len + nsplit - 1) / nsplit, k_begin = split * chunk, k_end = min(len, k_begin + chunk);
     const int* table = block_tables + (long)row_seq[r] * max_blocks;
 
     float qv[VEC], o[VEC], m = NEG_INF, l = 0.f;
@@ -601,38 +727,48 @@ __global__ void __launch_bounds__(128) attention_rows(
         if (sub == 0) { sm_m[warp] = m; sm_l[warp] = l; }
     }
     __syncthreads();
-    if (threadIdx.x >= D) return;
     const int d = threadIdx.x;
-    float mx = fmaxf(fmaxf(sm_m[0], sm_m[1]), fmaxf(sm_m[2], sm_m[3])), L = 0.f, acc = 0.f;
-    if (mx != NEG_INF)
-        for (int w = 0; w < 4; w++) {
-            float c = exp2f(sm_m[w] - mx);
-            L += sm_l[w] * c;
-            acc += sm_o[w][d] * c;
+    if (d < D) {
+        float mx = fmaxf(fmaxf(sm_m[0], sm_m[1]), fmaxf(sm_m[2], sm_m[3])), L = 0.f, acc = 0.f;
+        if (mx != NEG_INF)
+            for (int w = 0; w < 4; w++) {
+                float c = exp2f(sm_m[w] - mx);
+                L += sm_l[w] * c;
+                acc += sm_o[w][d] * c;
+            }
+        if (nsplit == 1) {
+            out[((long)qr * H + h) * D + d] = from_float<T>(acc / L);
+            return;
         }
-    if (nsplit == 1) {
-        out[((long)qr * H + h) * D + d] = from_float<T>(acc / L);
-    } else {
-        long pi = ((long)r * H + h) * nsplit + split;
+        const long pi = ((long)r * H + h) * gridDim.z + split;
         part_o[pi * D + d] = L > 0.f ? acc / L : 0.f;
         if (d == 0) part_lse[pi] = L > 0.f ? mx + log2f(L) : NEG_INF;
     }
-}
-
-// attention_merge: out = sum_s exp2(lse_s - max) * o_s / sum_s exp2(lse_s - max) over a row's splits.
-// Tiny: nsplit * 65 floats per (row, head). Split 0 is never empty, so max is finite.
-template <typename T>
-__global__ void attention_merge(const float* part_o, const float* part_lse, const int* row_q, int H, int nsplit, T* out) {
-    const int r = blockIdx.x, h = blockIdx.y, d = threadIdx.x;
-    const long base = ((long)r * H + h) * nsplit;
-    float mx = NEG_INF, L = 0.f, acc = 0.f;
-    for (int s = 0; s < nsplit; s++) mx = fmaxf(mx, part_lse[base + s]);
-    for (int s = 0; s < nsplit; s++) {
-        float c = exp2f(part_lse[base + s] - mx);
-        L += c;
-        acc += c * part_o[(base + s) * 64 + d];
+    if (nsplit == 1) return;
+    __shared__ int last;
+    __threadfence();  // this split's partial result is visible before its arrival is counted
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        last = atomicAdd(&counters[r * H + h], 1) == nsplit - 1;
+        if (last) counters[r * H + h] = 0;  // ready for the next launch
     }
-    out[((long)row_q[r] * H + h) * 64 + d] = from_float<T>(acc / L);
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    const long base = ((long)r * H + h) * gridDim.z;
+    __shared__ float lse[32];  // nsplit <= 32 (the host plans so); loaded in one round, not one per split
+    if (threadIdx.x < nsplit) lse[threadIdx.x] = __ldcg(&part_lse[base + threadIdx.x]);
+    __syncthreads();
+    if (d >= D) return;
+    float mx = NEG_INF, L = 0.f, acc = 0.f;
+    for (int s = 0; s < nsplit; s++) mx = fmaxf(mx, lse[s]);  // split 0 is never empty, so mx is finite
+#pragma unroll 8
+    for (int s = 0; s < nsplit; s++) {
+        float c = exp2f(lse[s] - mx);
+        L += c;
+        acc += c * __ldcg(&part_o[(base + s) * D + d]);
+    }
+    out[((long)qr * H + h) * D + d] = from_float<T>(acc / L);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -759,20 +895,45 @@ extern "C" __global__ void __launch_bounds__(1024, 1) sample_tokens(
     if (tid == 0) tokens[row] = result[0] < V ? result[0] : result[1];  // rounding past the end: last kept
 }
 
+// ---------------------------------------------------------------------------------------------
+// decode_advance: the last kernel of a CUDA-graph decode step, so that the next step can start with no
+// host in between (multi-step decoding): each real row's sampled token is kept in history[substep] and
+// becomes its next input, its position and context length move on by one, its new KV slot is looked
+// up in its block table (the engine reserved those blocks), and its sampling counter steps. Padding
+// rows (slot -1) stay as they are. Tiny: one thread per row, 7 ints each.
+extern "C" __global__ void decode_advance(const int* tokens, int* input_ids, int* positions, int* context_lens,
+                                          int* slot_mapping, int* step, const int* block_tables, int max_blocks,
+                                          int block_size, int* history, int* substep, int B) {
+    const int i = threadIdx.x, s = *substep;
+    __syncthreads();  // every thread has read the counter before thread 0 moves it on
+    if (i == 0) *substep = s + 1;
+    if (i >= B) return;
+    history[s * B + i] = tokens[i];
+    if (slot_mapping[i] < 0) return;
+    const int pos = positions[i] + 1, blk = pos / block_size;
+    input_ids[i] = tokens[i];
+    positions[i] = pos;
+    context_lens[i] = pos + 1;
+    step[i] += 1;
+    slot_mapping[i] = blk < max_blocks ? block_tables[(long)i * max_blocks + blk] * block_size + pos % block_size : -1;
+}
+
 // nvcc (CI) compiles every instantiation NVRTC gets through name_expressions, so ptxas sees them all
 #ifndef __CUDACC_RTC__
-template __global__ void matmul_tc<128>(const half*, const half*, const half*, const half*, half*, int, int, int, int);
-template __global__ void matmul_tc<64>(const half*, const half*, const half*, const half*, half*, int, int, int, int);
+template __global__ void matmul_tc<128>(const half*, const half*, const half*, const half*, void*, int, int, int, int, int);
+template __global__ void matmul_tc<64>(const half*, const half*, const half*, const half*, void*, int, int, int, int, int);
+#define GEMV(MR) template __global__ void matmul_gemv<MR>(const half*, const half*, const half*, const half*, void*, \
+                                                          int, int, int, int, int, const half*, const half*, float);
+GEMV(1) GEMV(8)
 #define SKINNY(MT) template __global__ void matmul_skinny<MT>(const half*, const half*, const half*, const half*, \
-                                                            half*, int, int, int, int, int, float*, int*);
+                                                            void*, int, int, int, int, int, int, float*, int*);
 SKINNY(1) SKINNY(2) SKINNY(4) SKINNY(8)
 #define PER_TYPE(T)                                                                                           \
-    template __global__ void layernorm<T>(const T*, T*, const T*, const T*, T*, int, int, float);             \
+    template __global__ void layernorm<T>(const T*, const T*, const T*, T*, int, int, float);                 \
     template __global__ void embed<T>(const T*, const T*, const int*, const int*, T*, int);                   \
     template __global__ void cache_write<T>(const T*, const T*, int, int, T*, T*, const int*, int);           \
     template __global__ void attention_rows<T>(const T*, int, const T*, const T*, const int*, int, int,       \
                                                const int*, const int*, const int*, int, float, T*, float*,    \
-                                               float*);                                                       \
-    template __global__ void attention_merge<T>(const float*, const float*, const int*, int, int, T*);
+                                               float*, int*);
 PER_TYPE(float) PER_TYPE(half)
 #endif

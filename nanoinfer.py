@@ -230,15 +230,16 @@ class NumpyBackend:
     def embed(self, wte, wpe, input_ids, positions):
         return wte[input_ids] + wpe[positions]  # (T, C)
 
-    def layernorm(self, x, w, b, eps, residual=None):
-        if residual is not None:  # fused residual add: the residual stream is updated in place
-            residual += x
-            x = residual
+    def layernorm(self, x, w, b, eps):
         mean = x.mean(-1, keepdims=True)
         var = ((x - mean) ** 2).mean(-1, keepdims=True)
         return (x - mean) / np.sqrt(var + eps) * w + b
 
-    def matmul(self, x, w, bias=None, gelu=False, residual=None, out_dtype=None):
+    def matmul(self, x, w, bias=None, gelu=False, residual=None, ln=None, out_dtype=None):
+        """epilogue(layernorm(x) @ w.T): ln = (weight, bias, eps) of the layernorm in front, if any; the
+        epilogue adds the bias, applies GELU, adds the residual, in that order."""
+        if ln is not None:
+            x = self.layernorm(x, *ln)
         y = x @ w.T  # (M, K) @ (K, N) -> (M, N)
         if bias is not None:
             y += bias
@@ -300,12 +301,14 @@ def make_backend(device, dtype):
 
 cp = None  # cupy, imported when a CudaBackend is made
 KERNELS_CU = Path(__file__).with_name("kernels.cu")
-TEMPLATES = (["matmul_tc<128>", "matmul_tc<64>"] + [f"matmul_skinny<{mt}>" for mt in (1, 2, 4, 8)] +
-             [f"{k}<{t}>" for t in ("float", "half")
-              for k in ("layernorm", "embed", "cache_write", "attention_rows", "attention_merge")])
-PLAIN = ["matmul_f32", "attention_prefill", "sample_tokens"]
+TEMPLATES = (["matmul_tc<128>", "matmul_tc<64>", "matmul_gemv<1>", "matmul_gemv<8>"] +
+             [f"matmul_skinny<{mt}>" for mt in (1, 2, 4, 8)] +
+             [f"{k}<{t}>" for t in ("float", "half") for k in ("layernorm", "embed", "cache_write", "attention_rows")])
+PLAIN = ["matmul_f32", "attention_prefill", "sample_tokens", "decode_advance"]
 SPLITK_SCRATCH = 1 << 22  # floats of split-K partial sums (16 MB), enough for every GPT-2 decode shape
-SKINNY_MAX_M = 64     # decode-sized matmuls stream the weights (matmul_skinny) up to this many rows
+GEMV_MAX_M = 8        # single-stream and small-batch decode: one warp per weight row (matmul_gemv)
+GEMV_SMEM = 224 * 1024  # matmul_gemv keeps the M rows of x in shared memory: M * K * 2 bytes at most
+SKINNY_MAX_M = 64     # larger decode batches stream the weights through the tensor cores (matmul_skinny)
 PREFILL_MIN_Q = 16    # fp16 sequences with this many queries in a step use the tensor-core attention
 SAMPLE_SMEM = 200 * 1024 + 4 * 1024  # sample_tokens caches a row's p in shared memory up to V = 52224
 _kernels = None       # compiled once per process (and cached on disk by CuPy across processes)
@@ -327,6 +330,8 @@ def compile_kernels():
                                "\n\nfull compiler log:\n" + log.replace("kern.cu(", "kernels.cu(")) from None
         for name in ("matmul_tc<128>", "matmul_tc<64>"):  # 3-stage pipeline needs > 48 KB of shared memory
             kernels[name].max_dynamic_shared_size_bytes = _tc_smem(int(name[10:-1]))
+        for name in ("matmul_gemv<1>", "matmul_gemv<8>"):
+            kernels[name].max_dynamic_shared_size_bytes = GEMV_SMEM
         kernels["sample_tokens"].max_dynamic_shared_size_bytes = SAMPLE_SMEM  # p of a whole row
         _kernels = kernels
     return _kernels
@@ -356,11 +361,11 @@ class CudaBackend:
         self.t = "half" if self.dtype == np.float16 else "float"
         self.vec = 16 // self.dtype.itemsize  # elements per 16-byte vector
         self.num_sms = cp.cuda.Device().attributes["MultiProcessorCount"]
-        self.fuse = True  # False runs bias, GELU and residual adds as separate elementwise kernels
+        self.fuse = True  # False runs layernorms, bias, GELU and residual adds as kernels of their own
         self._gelu = cp.ElementwiseKernel("T x", "T y", "float v = x; y = 0.5f * v * (1.f + tanhf(0.7978845608f * "
                                           "(v + 0.044715f * v * v * v)))", "gelu_tanh")  # the unfused GELU
         # split-K scratch, allocated once: a CUDA graph keeps pointers, so nothing it uses may move later
-        self._counters = cp.zeros(1024, np.int32)  # split-K arrival counters (self-resetting)
+        self._counters = cp.zeros(4096, np.int32)  # split-K and split-context arrival counters (self-resetting)
         self._partial = cp.empty(SPLITK_SCRATCH, np.float32)  # split-K partial sums
 
     # ---- arrays -------------------------------------------------------------------------------
@@ -406,24 +411,25 @@ class CudaBackend:
                                                                  np.int32(C)))
         return out
 
-    def layernorm(self, x, w, b, eps, residual=None):
-        if not self.fuse and residual is not None:  # unfused: the add is its own pass over memory
-            residual += x
-            return self.layernorm(residual, w, b, eps)
+    def layernorm(self, x, w, b, eps):
         x = self._ready(x)
         T, C = x.shape
         assert C % self.vec == 0 and C <= 2048, f"layernorm: C={C} must be a multiple of {self.vec} and <= 2048"
-        if residual is not None:
-            assert residual.flags.c_contiguous and residual.dtype == self.dtype and residual.data.ptr % 16 == 0, \
-                "layernorm: residual is updated in place, so it must be a C-contiguous array of the backend dtype"
         y = self.empty((T, C))
         if T:
-            self.k[f"layernorm<{self.t}>"]((_cdiv(T, 4),), (128,), (x, 0 if residual is None else residual,
-                                                                    self._ready(w), self._ready(b), y, np.int32(T),
+            self.k[f"layernorm<{self.t}>"]((_cdiv(T, 4),), (128,), (x, self._ready(w), self._ready(b), y, np.int32(T),
                                                                     np.int32(C), np.float32(eps)))
         return y
 
-    def matmul(self, x, w, bias=None, gelu=False, residual=None, out_dtype=None):
+    def matmul(self, x, w, bias=None, gelu=False, residual=None, ln=None, out_dtype=None):
+        M, K = x.shape
+        N = w.shape[0]
+        # matmul_gemv for small M, while its blocks come in a few waves (not the lm_head's 50257 rows); the
+        # layernorm rides along for K <= 2048 (every GPT-2)
+        gemv = self.dtype == np.float16 and M <= GEMV_MAX_M and M * K * 2 <= GEMV_SMEM and \
+            _cdiv(N, 8) <= 8 * self.num_sms and (ln is None or K <= 2048)
+        if ln is not None and not (self.fuse and gemv):  # the layernorm as a kernel of its own
+            x, ln = self.layernorm(x, *ln), None
         if not self.fuse and (bias is not None or gelu or residual is not None):
             # the unfused path, to measure what fusion saves: each epilogue step is one more pass over y
             y = self.matmul(x, w)
@@ -435,13 +441,12 @@ class CudaBackend:
                 y += residual
             return y if out_dtype is None else y.astype(out_dtype)
         x, w = self._ready(x), self._ready(w)
-        M, K = x.shape
-        N = w.shape[0]
         if w.shape[1] != K:
             raise ValueError(f"matmul: x is (M, K) = {x.shape} but w is {w.shape}, expected (N, {K})")
         if self.dtype == np.float16 and K % 8:
             raise ValueError(f"matmul: K={K} must be a multiple of 8 (rows are read as 16-byte vectors)")
-        y = self.empty((M, N))
+        f32 = self.dtype == np.float32 or np.dtype(out_dtype or self.dtype) == np.float32  # logits: from the accumulator
+        y = self.empty((M, N), np.float32 if f32 else self.dtype)
         if M == 0 or N == 0:
             return y
         bias = 0 if bias is None else self._ready(bias)
@@ -449,6 +454,11 @@ class CudaBackend:
         args = (x, w, bias, residual, y, np.int32(M), np.int32(N), np.int32(K), np.int32(bool(gelu)))
         if self.dtype == np.float32:
             self.k["matmul_f32"]((_cdiv(N, 64), _cdiv(M, 64)), (256,), args)
+        elif gemv:
+            ln_w, ln_b, eps = (0, 0, 0.0) if ln is None else (self._ready(ln[0]), self._ready(ln[1]), ln[2])
+            self.k[f"matmul_gemv<{1 if M == 1 else 8}>"]((_cdiv(N, 8),), (256,), args + (np.int32(f32), ln_w, ln_b,
+                                                                                      np.float32(eps)),
+                                                         shared_mem=M * K * 2)
         elif M <= 16 or (M <= SKINNY_MAX_M and _cdiv(N, 128) < self.num_sms):
             # decode: stream w (each block re-reads all of x, so for M > 16 only while the tiled
             # kernel would leave SMs idle; the 64 x 50257 lm_head goes to the tiles)
@@ -465,12 +475,13 @@ class CudaBackend:
                 splits = 1
             k_per_split = _cdiv(chunks, splits) * 64
             splits = _cdiv(K, k_per_split)
-            self.k[f"matmul_skinny<{mt}>"]((blocks_n, splits), (128,),
-                                           args + (np.int32(k_per_split), self._partial, self._counters))
+            self.k[f"matmul_skinny<{mt}>"]((blocks_n, splits), (128,), args + (np.int32(f32), np.int32(k_per_split),
+                                                                               self._partial, self._counters))
         else:
             bm = 128 if M > 64 and _cdiv(M, 128) * _cdiv(N, 128) >= self.num_sms else 64
-            self.k[f"matmul_tc<{bm}>"]((_cdiv(N, 128), _cdiv(M, bm)), (256,), args, shared_mem=_tc_smem(bm))
-        return y if out_dtype is None else y.astype(out_dtype)
+            self.k[f"matmul_tc<{bm}>"]((_cdiv(N, 128), _cdiv(M, bm)), (256,), args + (np.int32(f32),),
+                                       shared_mem=_tc_smem(bm))
+        return y if out_dtype is None else y.astype(out_dtype, copy=False)
 
     def cache_write(self, k, v, k_cache, v_cache, slot_mapping):
         (k, ks), (v, vs) = self._rows(k), self._rows(v)
@@ -487,8 +498,8 @@ class CudaBackend:
         d = types.SimpleNamespace()
         for f in ("input_ids", "positions", "slot_mapping", "cu_seqlens_q", "context_lens", "block_tables",
                   "logits_idx"):
-            if getattr(batch, f, None) is not None:
-                setattr(d, f, cp.asarray(np.ascontiguousarray(getattr(batch, f), dtype=np.int32)))
+            a = getattr(batch, f, None)
+            setattr(d, f, None if a is None else cp.asarray(np.ascontiguousarray(a, dtype=np.int32)))
         cu = np.asarray(batch.cu_seqlens_q, np.int64)
         ctx = np.asarray(batch.context_lens, np.int64)
         n_q = np.diff(cu)
@@ -533,17 +544,16 @@ class CudaBackend:
                                         (batch.cu_seqlens_q, batch.context_lens, batch.tile_seq, batch.tile_q0,
                                          np.int32(H), scale_log2, out))
         if batch.n_rows:
-            # flash-decoding: split the context until there are ~4 blocks per SM, >= 32 keys per split
-            nsplit = max(1, min(_cdiv(4 * self.num_sms, batch.n_rows * H), _cdiv(batch.max_row_len, 32)))
+            # flash-decoding: split the context until there are ~4 blocks per SM, >= 32 keys per split, and at
+            # most 32 splits (the merge holds their log-sum-exps in shared memory)
+            nsplit = max(1, min(_cdiv(4 * self.num_sms, batch.n_rows * H), _cdiv(batch.max_row_len, 32), 32))
+            assert nsplit == 1 or batch.n_rows * H <= self._counters.size
             part_o = cp.empty(batch.n_rows * H * nsplit * 64 if nsplit > 1 else 0, np.float32)
             part_lse = cp.empty(batch.n_rows * H * nsplit if nsplit > 1 else 0, np.float32)
             self.k[f"attention_rows<{self.t}>"]((batch.n_rows, H, nsplit), (128,),
                                                (q, np.int32(qs), k_cache, v_cache) + common +
                                                (batch.row_q, batch.row_seq, batch.row_len, np.int32(H), scale_log2,
-                                                out, part_o, part_lse))
-            if nsplit > 1:
-                self.k[f"attention_merge<{self.t}>"]((batch.n_rows, H), (64,),
-                                                    (part_o, part_lse, batch.row_q, np.int32(H), np.int32(nsplit), out))
+                                                out, part_o, part_lse, self._counters))
         return out
 
     def sample_device(self, logits, temperature, top_k, top_p, seed, step):
@@ -575,7 +585,7 @@ class Batch:
     cu_seqlens_q: np.ndarray  # (S+1,) int32, sequence s owns rows cu_seqlens_q[s]:cu_seqlens_q[s+1]
     context_lens: np.ndarray  # (S,) int32, tokens in each sequence's cache after this step
     block_tables: np.ndarray  # (S, max_blocks) int32
-    logits_idx: np.ndarray  # (R,) int32, rows whose next-token logits are wanted
+    logits_idx: np.ndarray  # (R,) int32, rows whose next-token logits are wanted (None: every row)
 
 
 class GPT:
@@ -594,42 +604,43 @@ class GPT:
         be, w, c = self.backend, self.w, self.config
         T, C, H, D = len(d.input_ids), c.n_embd, c.n_head, c.head_dim
         h = be.embed(w["wte.weight"], w["wpe.weight"], d.input_ids, d.positions)  # (T, C) the residual stream
-        y = be.layernorm(h, w["h.0.ln_1.weight"], w["h.0.ln_1.bias"], c.eps)
         for i in range(c.n_layer):
             p = f"h.{i}."
-            qkv = be.matmul(y, w[p + "attn.c_attn.weight"], w[p + "attn.c_attn.bias"])  # (T, 3C)
+            # each layernorm rides in the prologue of the matmul after it, each residual add in an epilogue
+            ln_1, ln_2 = ((w[p + f"ln_{j}.weight"], w[p + f"ln_{j}.bias"], c.eps) for j in (1, 2))
+            qkv = be.matmul(h, w[p + "attn.c_attn.weight"], w[p + "attn.c_attn.bias"], ln=ln_1)  # (T, 3C)
             q, k, v = (qkv[:, j * C:(j + 1) * C].reshape(T, H, D) for j in range(3))  # (T, H, D) each
             be.cache_write(k, v, kv.k[i], kv.v[i], d.slot_mapping)
             att = be.attention(q, kv.k[i], kv.v[i], d, 1.0 / math.sqrt(D)).reshape(T, C)
-            a = be.matmul(att, w[p + "attn.c_proj.weight"], w[p + "attn.c_proj.bias"])
-            # the residual add can live in the next layernorm (here) or in a matmul's epilogue (below)
-            y = be.layernorm(a, w[p + "ln_2.weight"], w[p + "ln_2.bias"], c.eps, residual=h)  # h += a
-            f = be.matmul(y, w[p + "mlp.c_fc.weight"], w[p + "mlp.c_fc.bias"], gelu=True)  # (T, 4C)
+            h = be.matmul(att, w[p + "attn.c_proj.weight"], w[p + "attn.c_proj.bias"], residual=h)
+            f = be.matmul(h, w[p + "mlp.c_fc.weight"], w[p + "mlp.c_fc.bias"], gelu=True, ln=ln_2)  # (T, 4C)
             h = be.matmul(f, w[p + "mlp.c_proj.weight"], w[p + "mlp.c_proj.bias"], residual=h)
-            if i + 1 < c.n_layer:
-                y = be.layernorm(h, w[f"h.{i + 1}.ln_1.weight"], w[f"h.{i + 1}.ln_1.bias"], c.eps)
-        # only the rows that sample need the last layernorm and the 50257-wide lm_head
-        y = be.layernorm(h[d.logits_idx], w["ln_f.weight"], w["ln_f.bias"], c.eps)  # (R, C)
-        return be.matmul(y, w["wte.weight"], out_dtype=np.float32)  # (R, V), tied to the embedding
+        # only the rows that sample need the last layernorm and the 50257-wide lm_head (tied to the embedding)
+        rows = h if d.logits_idx is None else h[d.logits_idx]  # (R, C)
+        return be.matmul(rows, w["wte.weight"], ln=(w["ln_f.weight"], w["ln_f.bias"], c.eps), out_dtype=np.float32)
 
 
 class DecodeGraph:
-    """A decode step of up to B sequences replayed from one CUDA graph: the ~120 kernel launches of a step
+    """A decode step of up to B sequences replayed from one CUDA graph: the ~60 kernel launches of a step
     cost one launch instead of ~7 us of Python and driver time each. A graph freezes every pointer and scalar
     it was captured with, so the step's inputs live in one fixed buffer (a step costs one host-to-device copy),
     attention is planned for the longest context (its kernels stop at each row's real length), unused rows
     are padding (cache slot -1, never written), and the activations come from a private memory pool that
-    nothing else allocates from, so their addresses stay the graph's."""
+    nothing else allocates from, so their addresses stay the graph's. The step ends by turning its sampled
+    tokens into the next step's inputs on the GPU (decode_advance), so one run can replay it several times
+    in a row: the host's work for a step, and its wait for the tokens, are paid once per run."""
 
     def __init__(self, model, kv, B):
         be, c = model.backend, model.config
         self.B, max_blocks = B, kv.blocks_needed(c.n_ctx)
         fields = [("seed", 2 * B), ("temperature", B), ("top_p", B), ("top_k", B), ("step", B), ("input_ids", B),
-                  ("positions", B), ("slot_mapping", B), ("context_lens", B), ("block_tables", B * max_blocks)]
+                  ("positions", B), ("slot_mapping", B), ("context_lens", B), ("substep", 1),
+                  ("block_tables", B * max_blocks)]
         self.host = np.zeros(sum(n for _, n in fields), np.int32)  # (all fields,) in one int32 buffer
         self.pool = cp.cuda.MemoryPool()
         with cp.cuda.using_allocator(self.pool.malloc):
             self.dev = cp.zeros_like(self.host)
+            self.history = cp.zeros((LOOKAHEAD, B), np.int32)  # the tokens of each step of one run
             self.h, self.d, start = {}, {}, 0
             for name, n in fields:
                 self.h[name], self.d[name] = self.host[start:start + n], self.dev[start:start + n]
@@ -638,7 +649,7 @@ class DecodeGraph:
             self.batch = types.SimpleNamespace(  # the fields CudaBackend.to_device makes, for B decode rows
                 input_ids=self.d["input_ids"], positions=self.d["positions"], slot_mapping=self.d["slot_mapping"],
                 context_lens=self.d["context_lens"], block_tables=self.d["block_tables"].reshape(B, max_blocks),
-                cu_seqlens_q=arange, logits_idx=arange[:B], n_rows=B, max_row_len=c.n_ctx, row_q=arange[:B],
+                cu_seqlens_q=arange, logits_idx=None, n_rows=B, max_row_len=c.n_ctx, row_q=arange[:B],
                 row_seq=arange[:B], row_len=self.d["context_lens"], n_tiles=0, tile_seq=arange[:0], tile_q0=arange[:0])
             self._fill(0, [], [], [], np.zeros((0, 1), np.int32), [], [], [], [], [])
             self.dev.set(self.host)
@@ -647,15 +658,19 @@ class DecodeGraph:
                 self._step(model, kv)  # warm-up: the first launches and allocations stay out of the capture
                 self.stream.synchronize()
                 self.stream.begin_capture()
-                self.tokens = self._step(model, kv)
+                self._step(model, kv)
                 self.graph = self.stream.end_capture()
         self.graph.upload(self.stream)
 
     def _step(self, model, kv):
-        d, b = self.d, self.batch
+        d, b, be = self.d, self.batch, model.backend
         logits = model.forward_on_device(b, kv)
-        return model.backend.sample_device(logits, d["temperature"].view(np.float32), d["top_k"],
-                                           d["top_p"].view(np.float32), d["seed"].view(np.uint64), d["step"])
+        tokens = be.sample_device(logits, d["temperature"].view(np.float32), d["top_k"], d["top_p"].view(np.float32),
+                                  d["seed"].view(np.uint64), d["step"])
+        be.k["decode_advance"]((1,), (self.B,), (tokens, d["input_ids"], d["positions"], d["context_lens"],
+                                                d["slot_mapping"], d["step"], d["block_tables"],
+                                                np.int32(b.block_tables.shape[1]), np.int32(kv.block_size),
+                                                self.history, d["substep"], np.int32(self.B)))
 
     def _fill(self, n, input_ids, positions, slot_mapping, block_tables, temperature, top_k, top_p, seed, step):
         h = self.h
@@ -668,18 +683,21 @@ class DecodeGraph:
         h["temperature"].view(np.float32)[:n], h["temperature"][n:] = temperature, 0  # padding is greedy
         h["top_p"].view(np.float32)[:n], h["top_p"].view(np.float32)[n:] = top_p, 1
         h["seed"].view(np.uint64)[:n], h["seed"].view(np.uint64)[n:] = seed, 0
+        h["substep"][0] = 0
         tables = h["block_tables"].reshape(self.B, -1)
         tables[:] = 0
         tables[:n, :block_tables.shape[1]] = block_tables
 
-    def run(self, batch, temperature, top_k, top_p, seed, step):
-        """Sampled tokens of a decode-only batch of at most B sequences, as numpy."""
+    def run(self, batch, temperature, top_k, top_p, seed, step, steps=1):
+        """(steps, n) sampled tokens, as numpy, of `steps` decode steps of a batch of n <= B sequences whose
+        KV blocks already hold all of those steps."""
         n = len(batch.input_ids)
         self._fill(n, batch.input_ids, batch.positions, batch.slot_mapping, batch.block_tables,
                    temperature, top_k, top_p, seed, step)
         self.dev.set(self.host, stream=self.stream)
-        self.graph.launch(self.stream)
-        return self.tokens[:n].get(stream=self.stream).astype(np.int64)
+        for _ in range(steps):
+            self.graph.launch(self.stream)
+        return self.history[:steps, :n].get(stream=self.stream).astype(np.int64)
 
 
 # -----------------------------------------------------------------------------
@@ -731,6 +749,7 @@ class RequestOutput:
 
 
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # decode batch sizes that get a CUDA graph each
+LOOKAHEAD = 8  # decode steps one graph run may take (multi-step decoding)
 
 
 class LLM:
@@ -743,6 +762,7 @@ class LLM:
         self.backend = make_backend(device, dtype)
         self.backend.fuse = fused  # the switches that measure two lessons: fusion, and launch overhead
         self.cuda_graphs = cuda_graphs and self.backend.name == "cuda"
+        self.lookahead = LOOKAHEAD  # decode steps per graph run; 1 turns multi-step decoding off
         self._graphs = {}  # batch-size bucket -> DecodeGraph, captured on first use
         self.model = GPT(c, load_weights(path, c), self.backend)
         if num_kv_tokens is None:
@@ -823,21 +843,40 @@ class LLM:
         params = self._sampling_arrays(sampling)
         graph = self._decode_graph(batch, sampling)
         if graph is not None:
-            tokens = graph.run(batch, *params)
+            steps = self._lookahead(sampling)
+            if steps > 1:  # the batch again, with the block tables that hold every step
+                batch, _ = self._make_batch(scheduled)
+            tokens = graph.run(batch, *params, steps)  # (steps, R)
         else:
             logits = self.model.forward(batch, self.kv)  # (R, V)
-            tokens = self.backend.sample(logits, *params)
+            tokens = self.backend.sample(logits, *params)[None]  # (1, R)
         for seq, n in scheduled:
             seq.num_computed += n
         events = []
-        for row, (seq, token) in enumerate(zip(sampling, tokens)):
-            if seq.logprobs is not None:
-                seq.logprobs.append(self._logprobs(logits[row], int(token), seq.params.logprobs))
-            seq.append(int(token), self.config.n_ctx)
-            if seq.finish_reason:
-                self.scheduler.finish(seq)
+        for row, seq in enumerate(sampling):
+            for j, token in enumerate(tokens[:, row]):
+                seq.num_computed += j > 0  # step j of a run computed the token step j - 1 sampled
+                if seq.logprobs is not None:
+                    seq.logprobs.append(self._logprobs(logits[row], int(token), seq.params.logprobs))
+                seq.append(int(token), self.config.n_ctx)
+                if seq.finish_reason:  # the run's later tokens for it, if any, are dropped
+                    self.scheduler.finish(seq)
+                    break
             events.append((seq.seq_id, seq.new_text(), self._output(seq) if seq.finish_reason else None))
         return events
+
+    def _lookahead(self, seqs):
+        """How many decode steps one graph run takes: up to LOOKAHEAD, as long as no sequence can pass its
+        max_tokens or the context on the way and the free blocks hold them all (reserved here). A sequence that
+        stops early (EOS, a stop string) wastes the steps after that; it never emits them."""
+        c, kv = self.config, self.kv
+        steps = min([min(self.lookahead, LOOKAHEAD)] + [min(s.params.max_tokens - s.num_output, c.n_ctx - len(s.token_ids)) for s in seqs])
+        while steps > 1 and sum(kv.blocks_needed(len(s.token_ids) - 1 + steps) - len(kv.block_tables[s.seq_id])
+                                for s in seqs) > kv.allocator.num_free():
+            steps //= 2
+        for s in seqs:
+            kv.grow(s.seq_id, len(s.token_ids) - 1 + steps)
+        return max(steps, 1)
 
     def _decode_graph(self, batch, sampling):
         """The CUDA graph for this step if every sequence decodes one token (and none wants logprobs)."""

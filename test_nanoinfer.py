@@ -874,31 +874,39 @@ def heads(qkv, j, H):
 
 # ---- matmul ----------------------------------------------------------------------------------
 @NO_GPU
-@pytest.mark.parametrize("M", [1, 3, 17, 64, 65, 1000, 4096])
-@pytest.mark.parametrize("N,K", [(2304 + 40, 776), (768, 3072)])
-@pytest.mark.parametrize("epi", ["none", "bias_gelu", "bias_residual", "all"])
+@pytest.mark.parametrize("M", [1, 3, 8, 17, 64, 65, 1000, 4096])
+@pytest.mark.parametrize("N,K,epi", [(N, K, epi) for N, K in ((2304 + 40, 776), (768, 3072))
+                                     for epi in ("none", "bias_gelu", "bias_residual", "all")] +
+                         [(N, K, epi) for N, K in ((2304 + 40, 776), (6400, 1600)) for epi in ("ln", "ln_all")])
 def test_matmul(be, M, N, K, epi):
-    """y = x @ w.T with each epilogue (bias, GELU, residual), for decode- and prefill-sized M and N, K off the tiles."""
+    """y = epilogue(layernorm(x) @ w.T) with each epilogue (bias, GELU, residual) and with and without the
+    layernorm in front, for decode- and prefill-sized M and N, K off the tiles."""
     dt = be.dtype.type
-    x = rounded(rng.standard_normal((M, K)), dt)
+    x = rounded(rng.standard_normal((M, K)) * 2 + 0.5, dt)
     w = rounded(rng.standard_normal((N, K)) / math.sqrt(K), dt)
-    bias = rounded(rng.standard_normal(N), dt) if epi != "none" else None
-    res = rounded(rng.standard_normal((M, N)), dt) if epi in ("bias_residual", "all") else None
-    gelu = epi in ("bias_gelu", "all")
-    y = be.matmul(to_gpu(x, dt), to_gpu(w, dt), to_gpu(bias, dt), gelu, to_gpu(res, dt))
-    check(y, ref.matmul(x, w, bias, gelu, res), dt, f"matmul M={M} N={N} K={K} {epi}")
+    bias = rounded(rng.standard_normal(N), dt) if epi not in ("none", "ln") else None
+    res = rounded(rng.standard_normal((M, N)), dt) if epi in ("bias_residual", "all", "ln_all") else None
+    gelu = epi in ("bias_gelu", "all", "ln_all")
+    ln = (rounded(rng.standard_normal(K), dt), rounded(rng.standard_normal(K), dt), 1e-5) if "ln" in epi else None
+    ln_gpu = None if ln is None else (to_gpu(ln[0], dt), to_gpu(ln[1], dt), ln[2])
+    y = be.matmul(to_gpu(x, dt), to_gpu(w, dt), to_gpu(bias, dt), gelu, to_gpu(res, dt), ln=ln_gpu)
+    check(y, ref.matmul(x, w, bias, gelu, res, ln=ln), dt, f"matmul M={M} N={N} K={K} {epi}")
 
 
 @NO_GPU
 @pytest.mark.parametrize("M", [1, 64])
 def test_matmul_lm_head_shape_and_repeat(be, M):
-    """The lm_head shape (V = 50257, an odd N) is right, and a split-K matmul run twice repeats bit for bit
-    (its arrival counters reset themselves)."""
+    """The lm_head shape (V = 50257, an odd N) is right, its fp32 logits come from the fp32 accumulator (not an
+    fp16 result widened), and a split-K matmul run twice repeats bit for bit (its counters reset themselves)."""
     dt = be.dtype.type
     x = to_gpu(rng.standard_normal((M, 768)), dt)
     w = to_gpu(rng.standard_normal((50257, 768)) / math.sqrt(768), dt)
-    check(be.matmul(x, w), ref.matmul(cp.asnumpy(x).astype(np.float64), cp.asnumpy(w).astype(np.float64)), dt,
-          "lm_head")
+    exact = ref.matmul(cp.asnumpy(x).astype(np.float64), cp.asnumpy(w).astype(np.float64))
+    logits = be.matmul(x, w, out_dtype=np.float32)
+    assert logits.dtype == np.float32
+    check(logits, exact, dt, "lm_head")
+    err = float(np.abs(cp.asnumpy(logits) - exact).max() / np.abs(exact).max())
+    assert err < 1e-4, f"fp32 logits are {err:.1e} off: rounded through fp16 on the way?"
     x2 = to_gpu(rng.standard_normal((M, 3072)), dt)
     w2 = to_gpu(rng.standard_normal((768, 3072)) / math.sqrt(3072), dt)
     a, b = be.matmul(x2, w2), be.matmul(x2, w2)
@@ -917,19 +925,13 @@ def test_matmul_bad_k():
 @NO_GPU
 @pytest.mark.parametrize("T", [1, 3, 17, 1000])
 @pytest.mark.parametrize("C", [768, 1600])
-@pytest.mark.parametrize("with_residual", [False, True])
-def test_layernorm(be, T, C, with_residual):
-    """layernorm, and with a residual its fused in-place update residual += x."""
+def test_layernorm(be, T, C):
+    """layernorm on its own (prefill; decode folds it into the next matmul)."""
     dt = be.dtype.type
     x = rounded(rng.standard_normal((T, C)) * 2 + 0.5, dt)
     w, b = rounded(rng.standard_normal(C), dt), rounded(rng.standard_normal(C), dt)
-    res = rounded(rng.standard_normal((T, C)) * 3, dt) if with_residual else None
-    res_gpu, res_ref = to_gpu(res, dt), None if res is None else res.copy()  # each backend updates its own
-    y = be.layernorm(to_gpu(x, dt), to_gpu(w, dt), to_gpu(b, dt), 1e-5, res_gpu)
-    check(y, ref.layernorm(x, w, b, 1e-5, res_ref), dt, f"layernorm T={T} C={C}")
-    if with_residual:
-        # the exact sum rounded once to dt: what an fp32 add rounded to dt gives, for fp16 too (24 >= 2 * 11 + 2)
-        assert np.array_equal(cp.asnumpy(res_gpu), res_ref.astype(dt)), "residual += x was not written back exactly"
+    y = be.layernorm(to_gpu(x, dt), to_gpu(w, dt), to_gpu(b, dt), 1e-5)
+    check(y, ref.layernorm(x, w, b, 1e-5), dt, f"layernorm T={T} C={C}")
 
 
 @NO_GPU
@@ -1117,6 +1119,31 @@ def test_cuda_graphs_change_no_token(tiny):
     graphed, tokens = generate_greedy(tiny, dtype="float32")
     assert graphed._graphs, "no decode step was replayed from a CUDA graph"
     assert tokens == generate_greedy(tiny, dtype="float32", cuda_graphs=False)[1]
+
+
+@NO_GPU
+def test_multi_step_decoding_changes_no_token(tiny):
+    """Graph runs of several decode steps (each sampled token fed back on the GPU by decode_advance) give the
+    same tokens, texts and finish reasons as eager steps one at a time: greedy and seeded top-p requests of
+    different lengths, one ended mid-run by a stop string; fp32."""
+    def run(stop=None, **kw):
+        llm = LLM(str(tiny.path), device="cuda", dtype="float32", num_kv_tokens=4096, **kw)
+        runs = []
+        lookahead = llm._lookahead
+        llm._lookahead = lambda seqs: runs.append(lookahead(seqs)) or runs[-1]
+        params = [SamplingParams(max_tokens=m, temperature=t, top_p=0.9, seed=i, ignore_eos=True, stop=stop)
+                  for i, (m, t) in enumerate([(29, 0), (13, 1.0), (21, 0.8)])]
+        outs = llm.generate(PROMPTS[:3], params)
+        return [(o.token_ids, o.text, o.finish_reason) for o in outs], runs
+
+    eager, _ = run(cuda_graphs=False)
+    text = eager[0][1]
+    stop = text[len(text) // 2:len(text) // 2 + 2]  # ends request 0 partway, inside a run of steps
+    eager, _ = run(stop, cuda_graphs=False)
+    graphed, runs = run(stop)
+    assert max(runs) == ni.LOOKAHEAD and min(runs) < ni.LOOKAHEAD, runs
+    assert graphed == eager
+    assert eager[0][2] == "stop"
 
 
 @NO_GPU
