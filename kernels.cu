@@ -181,35 +181,40 @@ __global__ void __launch_bounds__(256) matmul_tc(const half* __restrict__ x, con
 // ---------------------------------------------------------------------------------------------
 // matmul_gemv: y = epilogue(ln(x) @ w.T) for decode at M <= MR <= 8 rows of x (single stream, small
 // batches), with the layernorm in front of the matmul optionally fused into its prologue.
-// Memory-bound: 2*M*N*K FLOPs over N*K*2 bytes of weights, read once. At GPT-2 sizes a matrix streams
-// in 1-3 us, so what counts is latency: one warp owns one row of w, and each lane issues every 16-byte
-// load of its share of the row (K <= 4096: 16 loads, one round) before doing anything else, so the whole
-// matrix is in flight at once and the kernel pays about one HBM round trip. While those loads fly, the
-// block copies the M rows of x into shared memory, normalising them on the way when ln_w is given
-// (every thread takes one 16-byte chunk of each row, the statistics are two block-wide sums): the
-// layernorm costs one L2 read of x per block instead of a kernel of its own. Each lane then does its
-// dot products in fp32 and the warp adds them up with shuffles; lane m finishes row m. Meant for one
-// wave of blocks (N up to a few thousand): the lm_head's 50257 rows go to matmul_skinny.
+// Memory-bound: 2*M*N*K FLOPs over N*K*2 bytes of weights, read once, so the kernel's job is to keep
+// enough weight bytes in flight. One warp takes one row of w at a time; a "round" is 8 16-byte loads
+// per lane (2048 of K), and each warp always has its next round on the way while it does the dot
+// products of the current one (two register buffers), moving on to its next row, gridDim.x * 8 rows
+// further, without stopping. The grid is one wave (2 blocks per SM), so the prologue runs once per
+// block: while the first rounds fly, the block copies the M rows of x into shared memory, normalising
+// them on the way when ln_w is given (each thread takes one 16-byte chunk of each row, the statistics
+// are two block-wide sums), so the layernorm costs one L2 read of x per block instead of a kernel of
+// its own. Each lane keeps fp32 sums; at the end of a row the warp adds them up with shuffles and lane
+// m finishes row m. At GPT-2's small matrices (1-3 us) this is about one HBM round trip plus launch.
 template <int MR>
 __global__ void __launch_bounds__(256, 2) matmul_gemv(const half* __restrict__ x, const half* __restrict__ w,
                                                    const half* __restrict__ bias, const half* __restrict__ residual,
                                                    void* __restrict__ y, int M, int N, int K, int gelu, int y_f32,
                                                    const half* __restrict__ ln_w, const half* __restrict__ ln_b,
                                                    float eps) {
-    constexpr int R = 16;  // 16-byte loads of w per lane per round: 32 lanes * 8 halves * 16 = 4096 of K
+    constexpr int R = 8;  // 16-byte loads of w per lane per round: 32 lanes * 8 halves * 8 = 2048 of K
     extern __shared__ __align__(16) unsigned char smem[];
     half* xs = reinterpret_cast<half*>(smem);  // (M, K): the rows of x, normalised when ln_w is given
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n = blockIdx.x * 8 + warp;
-    const half* wrow = w + (long)min(n, N - 1) * K;  // a row past N computes garbage that is never stored
-    uint4 wv[R];
-    auto load_round = [&](int k0) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int rounds = (K + R * 256 - 1) / (R * 256), first = blockIdx.x * 8 + warp, stride = gridDim.x * 8;
+    const int Q = first < N ? (N - first + stride - 1) / stride * rounds : 0;  // rounds of this warp
+    auto load = [&](uint4 (&buf)[R], int q) {  // round q: row first + (q / rounds) * stride, k from 2048 * (q % rounds)
+        if (q >= Q) return;
+        const half* row = w + (long)(first + q / rounds * stride) * K;
 #pragma unroll
         for (int j = 0; j < R; j++) {
-            int k = k0 + (j * 32 + lane) * 8;
-            if (k < K) wv[j] = load16_stream(wrow + k);
+            int k = (q % rounds) * R * 256 + (j * 32 + lane) * 8;
+            if (k < K) buf[j] = load16_stream(row + k);
         }
     };
-    load_round(0);
+    uint4 wa[R], wb[R];
+    load(wa, 0);
+    load(wb, 1);
 
     if (!ln_w) {  // prologue: the block stages x (M, K) in shared memory while the weights are on their way
         for (int i = threadIdx.x * 8; i < M * K; i += 256 * 8) store16(xs + i, load16(x + i));
@@ -274,13 +279,14 @@ __global__ void __launch_bounds__(256, 2) matmul_gemv(const half* __restrict__ x
     __syncthreads();
 
     float acc[MR] = {};
-    for (int k0 = 0;;) {
+    auto consume = [&](const uint4 (&buf)[R], int q) {
+        if (q >= Q) return;
 #pragma unroll
         for (int j = 0; j < R; j++) {
-            int k = k0 + (j * 32 + lane) * 8;
+            int k = (q % rounds) * R * 256 + (j * 32 + lane) * 8;
             if (k >= K) break;
             float wf[8];
-            const half2* wh = reinterpret_cast<const half2*>(&wv[j]);
+            const half2* wh = reinterpret_cast<const half2*>(&buf[j]);
 #pragma unroll
             for (int i = 0; i < 4; i++) { float2 f = __half22float2(wh[i]); wf[2 * i] = f.x; wf[2 * i + 1] = f.y; }
 #pragma unroll
@@ -295,17 +301,23 @@ __global__ void __launch_bounds__(256, 2) matmul_gemv(const half* __restrict__ x
                 }
             }
         }
-        k0 += R * 256;
-        if (k0 >= K) break;
-        load_round(k0);
-    }
-    float mine = 0.f;  // lane m keeps row m's total
+        if (q % rounds != rounds - 1) return;
+        float mine = 0.f;  // the row is done: lane m keeps row m's total
 #pragma unroll
-    for (int m = 0; m < MR; m++) {
-        float s = warp_sum(acc[m]);
-        if (lane == m) mine = s;
+        for (int m = 0; m < MR; m++) {
+            float s = warp_sum(acc[m]);
+            if (lane == m) mine = s;
+            acc[m] = 0.f;
+        }
+        const int n = first + q / rounds * stride;
+        if (lane < M) store_y(y, (long)lane * N + n, epilogue(mine, bias, residual, gelu, lane, n, N), y_f32);
+    };
+    for (int q = 0; q < Q; q += 2) {  // while one buffer is consumed, the other is on its way
+        consume(wa, q);
+        load(wa, q + 2);
+        consume(wb, q + 1);
+        load(wb, q + 3);
     }
-    if (n < N && lane < M) store_y(y, (long)lane * N + n, epilogue(mine, bias, residual, gelu, lane, n, N), y_f32);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -668,9 +680,13 @@ extern "C" __global__ void __launch_bounds__(128) attention_prefill(
 // each split writes its normalised output and log-sum-exp, and the last split of a (row, head) to
 // finish (an arrival counter, as in matmul_skinny) combines them: out = sum_s exp2(lse_s - max) * o_s
 // / sum_s exp2(lse_s - max). The merge lives in the same kernel, so it costs no launch of its own.
+// Decode also folds in the cache write: given k_new and v_new (this step's K and V, rows of the qkv
+// output), row r's own key (its last, len - 1) is read from there, and the split that holds it stores
+// it in the cache at slot_mapping[row_q[r]], for the steps after this one.
 template <typename T>
 __global__ void __launch_bounds__(128) attention_rows(
-    const T* __restrict__ q, int q_stride, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
+    const T* __restrict__ q, int q_stride, const T* __restrict__ k_new, const T* __restrict__ v_new, int kv_stride,
+    const int* slot_mapping, T* k_cache, T* v_cache,
     const int* block_tables, int max_blocks, int block_size, const int* row_q, const int* row_seq,
     const int* row_len, int H, float scale_log2, T* out, float* part_o, float* part_lse, int* counters) {
     constexpr int D = 64, VEC = 16 / sizeof(T), LPK = D / VEC, KPW = 32 / LPK;  // lanes per key, keys per warp
@@ -680,6 +696,12 @@ __global__ void __launch_bounds__(128) attention_rows(
     const int qr = row_q[r], len = row_len[r], nsplit = min((int)gridDim.z, (len + 31) / 32);
     if (split >= nsplit) return;
     const int chunk = (len + nsplit - 1) / nsplit, k_begin = split * chunk, k_end = min(len, k_begin + chunk);
+    const long new_off = (long)qr * kv_stride + h * D;  // this row's own K and V in k_new / v_new
+    if (k_new && split == nsplit - 1 && threadIdx.x < LPK && slot_mapping[qr] >= 0) {
+        const long dst = ((long)slot_mapping[qr] * H + h) * D + threadIdx.x * VEC;
+        store16(k_cache + dst, load16(k_new + new_off + threadIdx.x * VEC));
+        store16(v_cache + dst, load16(v_new + new_off + threadIdx.x * VEC));
+    }
     const int* table = block_tables + (long)row_seq[r] * max_blocks;
 
     float qv[VEC], o[VEC], m = NEG_INF, l = 0.f;
@@ -687,16 +709,21 @@ __global__ void __launch_bounds__(128) attention_rows(
 #pragma unroll
     for (int i = 0; i < VEC; i++) { qv[i] = to_float(reinterpret_cast<const T*>(&qraw)[i]) * scale_log2; o[i] = 0.f; }
 
+#pragma unroll 2  // the second key's loads go out before the first key's arithmetic
     for (int base = k_begin + warp * KPW; base < k_end; base += 4 * KPW) {  // same trip count for the warp
         const int j = base + grp;
         const bool ok = j < k_end;
         float s = 0.f;
         uint4 vraw = make_uint4(0, 0, 0, 0);
         if (ok) {
-            long slot = (long)table[j / block_size] * block_size + j % block_size;
-            long off = (slot * H + h) * D + sub * VEC;
-            uint4 kraw = load16(k_cache + off);
-            vraw = load16(v_cache + off);
+            const T *kp = k_new + new_off + sub * VEC, *vp = v_new + new_off + sub * VEC;
+            if (!k_new || j != len - 1) {
+                long off = (((long)table[j / block_size] * block_size + j % block_size) * H + h) * D + sub * VEC;
+                kp = k_cache + off;
+                vp = v_cache + off;
+            }
+            uint4 kraw = load16(kp);
+            vraw = load16(vp);
 #pragma unroll
             for (int i = 0; i < VEC; i++) s += qv[i] * to_float(reinterpret_cast<const T*>(&kraw)[i]);
         }
@@ -897,18 +924,19 @@ extern "C" __global__ void __launch_bounds__(1024, 1) sample_tokens(
 
 // ---------------------------------------------------------------------------------------------
 // decode_advance: the last kernel of a CUDA-graph decode step, so that the next step can start with no
-// host in between (multi-step decoding): each real row's sampled token is kept in history[substep] and
+// host in between (multi-step decoding): each real row's sampled token is kept in a ring of history
+// rows (row substep % ring, so one run's rows can be read while the next run writes its own) and
 // becomes its next input, its position and context length move on by one, its new KV slot is looked
 // up in its block table (the engine reserved those blocks), and its sampling counter steps. Padding
 // rows (slot -1) stay as they are. Tiny: one thread per row, 7 ints each.
 extern "C" __global__ void decode_advance(const int* tokens, int* input_ids, int* positions, int* context_lens,
                                           int* slot_mapping, int* step, const int* block_tables, int max_blocks,
-                                          int block_size, int* history, int* substep, int B) {
+                                          int block_size, int* history, int ring, int* substep, int B) {
     const int i = threadIdx.x, s = *substep;
     __syncthreads();  // every thread has read the counter before thread 0 moves it on
     if (i == 0) *substep = s + 1;
     if (i >= B) return;
-    history[s * B + i] = tokens[i];
+    history[(s % ring) * B + i] = tokens[i];
     if (slot_mapping[i] < 0) return;
     const int pos = positions[i] + 1, blk = pos / block_size;
     input_ids[i] = tokens[i];
@@ -932,8 +960,8 @@ SKINNY(1) SKINNY(2) SKINNY(4) SKINNY(8)
     template __global__ void layernorm<T>(const T*, const T*, const T*, T*, int, int, float);                 \
     template __global__ void embed<T>(const T*, const T*, const int*, const int*, T*, int);                   \
     template __global__ void cache_write<T>(const T*, const T*, int, int, T*, T*, const int*, int);           \
-    template __global__ void attention_rows<T>(const T*, int, const T*, const T*, const int*, int, int,       \
-                                               const int*, const int*, const int*, int, float, T*, float*,    \
-                                               float*, int*);
+    template __global__ void attention_rows<T>(const T*, int, const T*, const T*, int, const int*, T*, T*,    \
+                                               const int*, int, int, const int*, const int*, const int*, int, \
+                                               float, T*, float*, float*, int*);
 PER_TYPE(float) PER_TYPE(half)
 #endif

@@ -13,6 +13,7 @@ import re
 import sys
 import types
 import time
+from collections import namedtuple
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -254,7 +255,10 @@ class NumpyBackend:
         k_cache.reshape(-1, H, D)[slot_mapping] = k  # a slot is one token's K for all heads
         v_cache.reshape(-1, H, D)[slot_mapping] = v
 
-    def attention(self, q, k_cache, v_cache, batch, scale):
+    def attention(self, q, k, v, k_cache, v_cache, batch, scale):
+        """Causal attention of each sequence's queries over its cached keys, after this step's k and v
+        went into the cache (so a query sees its own token too)."""
+        self.cache_write(k, v, k_cache, v_cache, batch.slot_mapping)
         out = np.empty_like(q)  # (T, H, D)
         _, block_size, H, D = k_cache.shape
         for s, n_ctx in enumerate(batch.context_lens):
@@ -424,10 +428,8 @@ class CudaBackend:
     def matmul(self, x, w, bias=None, gelu=False, residual=None, ln=None, out_dtype=None):
         M, K = x.shape
         N = w.shape[0]
-        # matmul_gemv for small M, while its blocks come in a few waves (not the lm_head's 50257 rows); the
-        # layernorm rides along for K <= 2048 (every GPT-2)
-        gemv = self.dtype == np.float16 and M <= GEMV_MAX_M and M * K * 2 <= GEMV_SMEM and \
-            _cdiv(N, 8) <= 8 * self.num_sms and (ln is None or K <= 2048)
+        # matmul_gemv for small M; the layernorm rides along for K <= 2048 (every GPT-2)
+        gemv = self.dtype == np.float16 and M <= GEMV_MAX_M and M * K * 2 <= GEMV_SMEM and (ln is None or K <= 2048)
         if ln is not None and not (self.fuse and gemv):  # the layernorm as a kernel of its own
             x, ln = self.layernorm(x, *ln), None
         if not self.fuse and (bias is not None or gelu or residual is not None):
@@ -456,9 +458,9 @@ class CudaBackend:
             self.k["matmul_f32"]((_cdiv(N, 64), _cdiv(M, 64)), (256,), args)
         elif gemv:
             ln_w, ln_b, eps = (0, 0, 0.0) if ln is None else (self._ready(ln[0]), self._ready(ln[1]), ln[2])
-            self.k[f"matmul_gemv<{1 if M == 1 else 8}>"]((_cdiv(N, 8),), (256,), args + (np.int32(f32), ln_w, ln_b,
-                                                                                      np.float32(eps)),
-                                                         shared_mem=M * K * 2)
+            blocks = min(_cdiv(N, 8), 2 * self.num_sms)  # one wave: each warp walks its rows of w
+            self.k[f"matmul_gemv<{1 if M == 1 else 8}>"]((blocks,), (256,), args + (np.int32(f32), ln_w, ln_b,
+                                                                                np.float32(eps)), shared_mem=M * K * 2)
         elif M <= 16 or (M <= SKINNY_MAX_M and _cdiv(N, 128) < self.num_sms):
             # decode: stream w (each block re-reads all of x, so for M > 16 only while the tiled
             # kernel would leave SMs idle; the 64 x 50257 lm_head goes to the tiles)
@@ -529,11 +531,18 @@ class CudaBackend:
         d.tile_q0 = cp.asarray(tile_q0[order].astype(np.int32))
         return d
 
-    def attention(self, q, k_cache, v_cache, batch, scale):
-        q, qs = self._rows(q)
+    def attention(self, q, k, v, k_cache, v_cache, batch, scale):
         T, H, D = q.shape
         if D != 64:
             raise NotImplementedError(f"attention: the kernels are written for head_dim 64 (every GPT-2), got {D}")
+        # decode (one query per sequence, so no other query needs this step's keys from the cache): the
+        # attention kernel writes the cache itself; otherwise a cache_write kernel goes first
+        fused = self.fuse and batch.n_tiles == 0 and batch.n_rows == len(batch.context_lens)
+        if not fused:
+            self.cache_write(k, v, k_cache, v_cache, batch.slot_mapping)
+        q, qs = self._rows(q)
+        (k, ks), (v, vs) = self._rows(k), self._rows(v)
+        assert ks == vs, "attention: k and v must share a row stride (views into one qkv array)"
         out = self.empty((T, H, D))
         block_size, max_blocks = k_cache.shape[1], batch.block_tables.shape[1]
         scale_log2 = np.float32(scale * math.log2(math.e))
@@ -550,8 +559,9 @@ class CudaBackend:
             assert nsplit == 1 or batch.n_rows * H <= self._counters.size
             part_o = cp.empty(batch.n_rows * H * nsplit * 64 if nsplit > 1 else 0, np.float32)
             part_lse = cp.empty(batch.n_rows * H * nsplit if nsplit > 1 else 0, np.float32)
+            new_kv = (k, v, np.int32(ks), batch.slot_mapping) if fused else (0, 0, np.int32(0), 0)
             self.k[f"attention_rows<{self.t}>"]((batch.n_rows, H, nsplit), (128,),
-                                               (q, np.int32(qs), k_cache, v_cache) + common +
+                                               (q, np.int32(qs)) + new_kv + (k_cache, v_cache) + common +
                                                (batch.row_q, batch.row_seq, batch.row_len, np.int32(H), scale_log2,
                                                 out, part_o, part_lse, self._counters))
         return out
@@ -610,8 +620,7 @@ class GPT:
             ln_1, ln_2 = ((w[p + f"ln_{j}.weight"], w[p + f"ln_{j}.bias"], c.eps) for j in (1, 2))
             qkv = be.matmul(h, w[p + "attn.c_attn.weight"], w[p + "attn.c_attn.bias"], ln=ln_1)  # (T, 3C)
             q, k, v = (qkv[:, j * C:(j + 1) * C].reshape(T, H, D) for j in range(3))  # (T, H, D) each
-            be.cache_write(k, v, kv.k[i], kv.v[i], d.slot_mapping)
-            att = be.attention(q, kv.k[i], kv.v[i], d, 1.0 / math.sqrt(D)).reshape(T, C)
+            att = be.attention(q, k, v, kv.k[i], kv.v[i], d, 1.0 / math.sqrt(D)).reshape(T, C)  # caches k, v
             h = be.matmul(att, w[p + "attn.c_proj.weight"], w[p + "attn.c_proj.bias"], residual=h)
             f = be.matmul(h, w[p + "mlp.c_fc.weight"], w[p + "mlp.c_fc.bias"], gelu=True, ln=ln_2)  # (T, 4C)
             h = be.matmul(f, w[p + "mlp.c_proj.weight"], w[p + "mlp.c_proj.bias"], residual=h)
@@ -627,23 +636,24 @@ class DecodeGraph:
     attention is planned for the longest context (its kernels stop at each row's real length), unused rows
     are padding (cache slot -1, never written), and the activations come from a private memory pool that
     nothing else allocates from, so their addresses stay the graph's. The step ends by turning its sampled
-    tokens into the next step's inputs on the GPU (decode_advance), so one run can replay it several times
-    in a row: the host's work for a step, and its wait for the tokens, are paid once per run."""
+    tokens into the next step's inputs on the GPU (decode_advance), so it can be replayed several times in
+    a row, each step's tokens kept in a ring of history rows: the host's work for a step, and its wait for
+    the tokens, are paid once per run of steps."""
 
     def __init__(self, model, kv, B):
         be, c = model.backend, model.config
         self.B, max_blocks = B, kv.blocks_needed(c.n_ctx)
         fields = [("seed", 2 * B), ("temperature", B), ("top_p", B), ("top_k", B), ("step", B), ("input_ids", B),
-                  ("positions", B), ("slot_mapping", B), ("context_lens", B), ("substep", 1),
-                  ("block_tables", B * max_blocks)]
+                  ("positions", B), ("context_lens", B), ("substep", 1),
+                  ("slot_mapping", B), ("block_tables", B * max_blocks)]  # these two last: carry_on copies them
         self.host = np.zeros(sum(n for _, n in fields), np.int32)  # (all fields,) in one int32 buffer
         self.pool = cp.cuda.MemoryPool()
         with cp.cuda.using_allocator(self.pool.malloc):
             self.dev = cp.zeros_like(self.host)
-            self.history = cp.zeros((LOOKAHEAD, B), np.int32)  # the tokens of each step of one run
-            self.h, self.d, start = {}, {}, 0
+            self.history = cp.zeros((2 * LOOKAHEAD, B), np.int32)  # a ring: one run's tokens while the next runs
+            self.h, self.d, self.offset, start = {}, {}, {}, 0
             for name, n in fields:
-                self.h[name], self.d[name] = self.host[start:start + n], self.dev[start:start + n]
+                self.h[name], self.d[name], self.offset[name] = self.host[start:start + n], self.dev[start:start + n], start
                 start += n
             arange = cp.arange(B + 1, dtype=np.int32)
             self.batch = types.SimpleNamespace(  # the fields CudaBackend.to_device makes, for B decode rows
@@ -670,7 +680,8 @@ class DecodeGraph:
         be.k["decode_advance"]((1,), (self.B,), (tokens, d["input_ids"], d["positions"], d["context_lens"],
                                                 d["slot_mapping"], d["step"], d["block_tables"],
                                                 np.int32(b.block_tables.shape[1]), np.int32(kv.block_size),
-                                                self.history, d["substep"], np.int32(self.B)))
+                                                self.history, np.int32(len(self.history)), d["substep"],
+                                                np.int32(self.B)))
 
     def _fill(self, n, input_ids, positions, slot_mapping, block_tables, temperature, top_k, top_p, seed, step):
         h = self.h
@@ -688,16 +699,37 @@ class DecodeGraph:
         tables[:] = 0
         tables[:n, :block_tables.shape[1]] = block_tables
 
-    def run(self, batch, temperature, top_k, top_p, seed, step, steps=1):
-        """(steps, n) sampled tokens, as numpy, of `steps` decode steps of a batch of n <= B sequences whose
-        KV blocks already hold all of those steps."""
-        n = len(batch.input_ids)
-        self._fill(n, batch.input_ids, batch.positions, batch.slot_mapping, batch.block_tables,
+    def start(self, batch, temperature, top_k, top_p, seed, step):
+        """Load a decode batch of n <= B sequences (every step of it must already have its KV blocks)."""
+        self.n = len(batch.input_ids)
+        self._fill(self.n, batch.input_ids, batch.positions, batch.slot_mapping, batch.block_tables,
                    temperature, top_k, top_p, seed, step)
         self.dev.set(self.host, stream=self.stream)
+        self.substep = 0  # the history row the next step writes (the GPU keeps its own count)
+
+    def carry_on(self, block_tables, slot_mapping):
+        """Let the next launches go on from where the launched ones stop (the GPU already advanced the tokens,
+        positions and counters), with the blocks added since and the next step's slots; stream-ordered."""
+        self.h["slot_mapping"][:self.n] = slot_mapping
+        self.h["block_tables"].reshape(self.B, -1)[:self.n, :block_tables.shape[1]] = block_tables
+        first = self.offset["slot_mapping"]
+        self.dev[first:].set(self.host[first:], stream=self.stream)
+
+    def launch(self, steps):
+        """Replay the step `steps` times; (its first history row, an event recorded after the last)."""
+        first, self.substep = self.substep, self.substep + steps
         for _ in range(steps):
             self.graph.launch(self.stream)
-        return self.history[:steps, :n].get(stream=self.stream).astype(np.int64)
+        done = cp.cuda.Event()
+        done.record(self.stream)
+        return first, done
+
+    def tokens(self, first, steps, done):
+        """(steps, n) tokens, as numpy, of the launches that began at history row `first`, once they are done.
+        The copy goes on the default stream, which does not wait for launches made after them."""
+        done.synchronize()
+        ring = self.history.get()
+        return ring[(first + np.arange(steps)) % len(ring), :self.n].astype(np.int64)
 
 
 # -----------------------------------------------------------------------------
@@ -749,7 +781,8 @@ class RequestOutput:
 
 
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # decode batch sizes that get a CUDA graph each
-LOOKAHEAD = 8  # decode steps one graph run may take (multi-step decoding)
+Run = namedtuple("Run", "graph seqs steps first done")  # launched decode steps: their history rows, an end event
+LOOKAHEAD = 16  # decode steps one graph run may take (multi-step decoding)
 
 
 class LLM:
@@ -763,6 +796,8 @@ class LLM:
         self.backend.fuse = fused  # the switches that measure two lessons: fusion, and launch overhead
         self.cuda_graphs = cuda_graphs and self.backend.name == "cuda"
         self.lookahead = LOOKAHEAD  # decode steps per graph run; 1 turns multi-step decoding off
+        self._inflight = None  # a graph run launched and not yet turned into tokens
+        self._free_later = []  # finished sequences whose blocks a launched run may still write
         self._graphs = {}  # batch-size bucket -> DecodeGraph, captured on first use
         self.model = GPT(c, load_weights(path, c), self.backend)
         if num_kv_tokens is None:
@@ -834,49 +869,100 @@ class LLM:
             [seq for seq, s in zip(seqs, samples) if s]
 
     def step(self):
-        """One engine step. Returns (request_id, new text, RequestOutput if it just finished else None) per request
-        that produced a token."""
-        scheduled = self.scheduler.schedule()
-        if not scheduled:
-            return []
-        batch, sampling = self._make_batch(scheduled)
-        params = self._sampling_arrays(sampling)
-        graph = self._decode_graph(batch, sampling)
-        if graph is not None:
-            steps = self._lookahead(sampling)
+        """One engine step (on the GPU, a run of decode steps). Returns (request_id, new text, RequestOutput if it
+        just finished else None) per request that produced tokens."""
+        run = self._inflight
+        if run is None:
+            scheduled = self.scheduler.schedule()
+            if not scheduled:
+                return []
+            batch, sampling = self._make_batch(scheduled)
+            params = self._sampling_arrays(sampling)
+            graph = self._decode_graph(batch, sampling)
+            if graph is None:
+                return self._eager_step(scheduled, batch, sampling, params)
+            steps = self._lookahead(sampling, 0)
             if steps > 1:  # the batch again, with the block tables that hold every step
                 batch, _ = self._make_batch(scheduled)
-            tokens = graph.run(batch, *params, steps)  # (steps, R)
-        else:
-            logits = self.model.forward(batch, self.kv)  # (R, V)
-            tokens = self.backend.sample(logits, *params)[None]  # (1, R)
+            graph.start(batch, *params)
+            run = Run(graph, sampling, steps, *graph.launch(steps))
+        # the next run can usually go on from where this one stops: launch it now, so that the GPU computes it
+        # while the host turns this run's tokens into text
+        self._inflight = self._carry_on(run)
+        return self._collect(run)
+
+    def _eager_step(self, scheduled, batch, sampling, params):
+        """A step of kernels launched one by one (prefill, logprobs, or CUDA graphs off)."""
+        logits = self.model.forward(batch, self.kv)  # (R, V)
+        tokens = self.backend.sample(logits, *params)
         for seq, n in scheduled:
             seq.num_computed += n
         events = []
-        for row, seq in enumerate(sampling):
-            for j, token in enumerate(tokens[:, row]):
-                seq.num_computed += j > 0  # step j of a run computed the token step j - 1 sampled
-                if seq.logprobs is not None:
-                    seq.logprobs.append(self._logprobs(logits[row], int(token), seq.params.logprobs))
-                seq.append(int(token), self.config.n_ctx)
-                if seq.finish_reason:  # the run's later tokens for it, if any, are dropped
-                    self.scheduler.finish(seq)
-                    break
-            events.append((seq.seq_id, seq.new_text(), self._output(seq) if seq.finish_reason else None))
+        for row, (seq, token) in enumerate(zip(sampling, tokens)):
+            if seq.logprobs is not None:
+                seq.logprobs.append(self._logprobs(logits[row], int(token), seq.params.logprobs))
+            seq.append(int(token), self.config.n_ctx)
+            if seq.finish_reason:
+                self.scheduler.finish(seq)
+            events.append(self._event(seq))
         return events
 
-    def _lookahead(self, seqs):
-        """How many decode steps one graph run takes: up to LOOKAHEAD, as long as no sequence can pass its
-        max_tokens or the context on the way and the free blocks hold them all (reserved here). A sequence that
-        stops early (EOS, a stop string) wastes the steps after that; it never emits them."""
+    def _lookahead(self, seqs, ahead):
+        """How many decode steps a graph run takes, `ahead` steps after the tokens the host has: up to
+        LOOKAHEAD, as long as no sequence can pass its max_tokens or the context on the way and the free blocks
+        hold them all (reserved here). A sequence that stops early (EOS, a stop string) wastes the steps after
+        that; it never emits them. 0: not even one."""
         c, kv = self.config, self.kv
-        steps = min([min(self.lookahead, LOOKAHEAD)] + [min(s.params.max_tokens - s.num_output, c.n_ctx - len(s.token_ids)) for s in seqs])
-        while steps > 1 and sum(kv.blocks_needed(len(s.token_ids) - 1 + steps) - len(kv.block_tables[s.seq_id])
-                                for s in seqs) > kv.allocator.num_free():
+        steps = min([min(self.lookahead, LOOKAHEAD)] + [min(s.params.max_tokens - s.num_output,
+                                                            c.n_ctx - len(s.token_ids)) - ahead for s in seqs])
+        last = [len(s.token_ids) - 1 + ahead for s in seqs]  # the position each one's next step computes
+        while steps > 0 and sum(kv.blocks_needed(p + steps) - len(kv.block_tables[s.seq_id])
+                                for s, p in zip(seqs, last)) > kv.allocator.num_free():
             steps //= 2
-        for s in seqs:
-            kv.grow(s.seq_id, len(s.token_ids) - 1 + steps)
-        return max(steps, 1)
+        for s, p in zip(seqs, last):
+            kv.grow(s.seq_id, p + max(steps, 0))
+        return max(steps, 0)
+
+    def _carry_on(self, run):
+        """The run after `run`, launched, if it can decode the same sequences without the scheduler: multi-step
+        decoding is on, no request waits for a free seat, none of them finishes by length in `run`, and the
+        free blocks hold the new steps. Else None."""
+        s = self.scheduler
+        if self.lookahead == 1 or (s.waiting and len(s.running) < s.max_num_seqs) or \
+                any(seq.finish_reason for seq in run.seqs):
+            return None
+        steps = self._lookahead(run.seqs, run.steps)
+        if steps == 0:
+            return None
+        tables = self.kv.block_table_array([seq.seq_id for seq in run.seqs])  # (n, max_blocks)
+        positions = np.array([len(seq.token_ids) - 1 + run.steps for seq in run.seqs])
+        run.graph.carry_on(tables, self.kv.slot_mapping(tables, np.arange(len(positions)), positions))
+        return Run(run.graph, run.seqs, steps, *run.graph.launch(steps))
+
+    def _collect(self, run):
+        """Wait for a graph run's tokens and hand them to their sequences; one that finishes drops the rest, and
+        its blocks are freed once no launched run writes to them any more."""
+        tokens = run.graph.tokens(run.first, run.steps, run.done)  # (steps, n)
+        for seq_id in self._free_later:  # the run that still wrote to them is this one, now done
+            self.kv.free(seq_id)
+        self._free_later = []
+        events = []
+        for row, seq in enumerate(run.seqs):
+            if seq.finish_reason:  # it finished in the run before this one
+                continue
+            for token in tokens[:, row]:
+                seq.num_computed += 1  # the token this step computed; it samples the next
+                seq.append(int(token), self.config.n_ctx)
+                if seq.finish_reason:
+                    self.scheduler.finish(seq, free=self._inflight is None)
+                    if self._inflight is not None:
+                        self._free_later.append(seq.seq_id)
+                    break
+            events.append(self._event(seq))
+        return events
+
+    def _event(self, seq):
+        return seq.seq_id, seq.new_text(), self._output(seq) if seq.finish_reason else None
 
     def _decode_graph(self, batch, sampling):
         """The CUDA graph for this step if every sequence decodes one token (and none wants logprobs)."""
@@ -927,6 +1013,8 @@ class LLM:
                 if rid in index:
                     remaining -= out is not None
                     yield index[rid], delta, out
+        if self._inflight is not None:  # launched before the last requests finished: the next step() drops it,
+            self._inflight.done.synchronize()  # but no GPU work outlives this call
 
     def generate(self, prompts, params=None):
         """Run prompts to completion, continuously batched. One RequestOutput per prompt, in order. (Requests

@@ -143,6 +143,8 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def finish(self, seq):
+    def finish(self, seq, free=True):
+        """free=False: the caller frees its blocks later (a launched run may still write to them)."""
         self.running.remove(seq)
-        self.kv.free(seq.seq_id)
+        if free:
+            self.kv.free(seq.seq_id)

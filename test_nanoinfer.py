@@ -966,8 +966,9 @@ def test_cache_write(be):
 # ---- attention -------------------------------------------------------------------------------
 def make_batch(seqs, dt, H=12, D=64, bs=16):
     """seqs: [(n_q, context_len)] -> (Batch, qkv (T, 3*H*D), K cache, V cache), the arrays float64 holding
-    dt-rounded values. The paged cache is NaN except the slots the sequences own; each sequence's block ids
-    are scattered and decreasing. (Attention reads only block_tables, cu_seqlens_q and context_lens.)"""
+    dt-rounded values. The paged cache is NaN except the slots the sequences own, and NaN in the slots of this
+    step's tokens too (attention writes k and v there first); each sequence's block ids are scattered and
+    decreasing."""
     n_q, ctx = np.array(seqs).T
     nblk = -(-ctx // bs)
     num_blocks = int(nblk.sum()) + 7
@@ -982,9 +983,12 @@ def make_batch(seqs, dt, H=12, D=64, bs=16):
     kc.reshape(-1, H, D)[~owned] = vc.reshape(-1, H, D)[~owned] = np.nan
     cu = np.concatenate([[0], np.cumsum(n_q)]).astype(np.int32)
     T = int(cu[-1])
-    batch = Batch(input_ids=np.zeros(T, np.int32), positions=np.zeros(T, np.int32),
-                  slot_mapping=np.zeros(T, np.int32), cu_seqlens_q=cu, context_lens=ctx.astype(np.int32),
-                  block_tables=tables, logits_idx=(cu[1:] - 1).astype(np.int32))
+    row = np.repeat(np.arange(len(seqs)), n_q)
+    positions = (np.arange(T) - cu[row] + ctx[row] - n_q[row]).astype(np.int32)  # the last n_q of each sequence
+    slots = (tables[row, positions // bs] * bs + positions % bs).astype(np.int32)
+    kc.reshape(-1, H, D)[slots] = vc.reshape(-1, H, D)[slots] = np.nan
+    batch = Batch(input_ids=np.zeros(T, np.int32), positions=positions, slot_mapping=slots, cu_seqlens_q=cu,
+                  context_lens=ctx.astype(np.int32), block_tables=tables, logits_idx=(cu[1:] - 1).astype(np.int32))
     return batch, rounded(rng.standard_normal((T, 3 * H * D)), dt), kc, vc
 
 
@@ -1001,12 +1005,17 @@ ATTENTION_CASES = {
 @pytest.mark.parametrize("case", list(ATTENTION_CASES))
 def test_attention(be, case):
     """Causal attention over block tables for one flat batch: decode, prefill, chunked prefill and mixes, with
-    contexts at and around block edges; q is a strided view into qkv."""
+    contexts at and around block edges; q, k and v are strided views into qkv. This step's k and v land in the
+    cache exactly (decode writes them from inside the attention kernel, the rest with cache_write first)."""
     dt, H = be.dtype.type, 12
     batch, qkv, kc, vc = make_batch(ATTENTION_CASES[case], dt, H=H)
     scale = 1 / math.sqrt(64)
-    out = be.attention(heads(to_gpu(qkv, dt), 0, H), to_gpu(kc, dt), to_gpu(vc, dt), be.to_device(batch), scale)
-    check(out, ref.attention(heads(qkv, 0, H), kc, vc, batch, scale), dt, f"attention {case}")
+    qkv_gpu, kc_gpu, vc_gpu = to_gpu(qkv, dt), to_gpu(kc, dt), to_gpu(vc, dt)
+    out = be.attention(*(heads(qkv_gpu, j, H) for j in range(3)), kc_gpu, vc_gpu, be.to_device(batch), scale)
+    want = ref.attention(*(heads(qkv, j, H) for j in range(3)), kc, vc, batch, scale)  # writes kc, vc
+    check(out, want, dt, f"attention {case}")
+    for ours, theirs in ((kc_gpu, kc), (vc_gpu, vc)):
+        assert np.array_equal(cp.asnumpy(ours).astype(np.float64), theirs, equal_nan=True), "KV cache"
 
 
 @NO_GPU
@@ -1015,7 +1024,8 @@ def test_attention_head_dim():
     be = CudaBackend(np.float16)
     batch, qkv, kc, vc = make_batch([(1, 5)], np.float16, H=2, D=32)
     with pytest.raises(NotImplementedError, match="head_dim 64"):
-        be.attention(heads(to_gpu(qkv, np.float16), 0, 2), to_gpu(kc, np.float16), to_gpu(vc, np.float16),
+        qkv_gpu = to_gpu(qkv, np.float16)
+        be.attention(*(heads(qkv_gpu, j, 2) for j in range(3)), to_gpu(kc, np.float16), to_gpu(vc, np.float16),
                      be.to_device(batch), 1 / math.sqrt(32))
 
 
@@ -1123,17 +1133,20 @@ def test_cuda_graphs_change_no_token(tiny):
 
 @NO_GPU
 def test_multi_step_decoding_changes_no_token(tiny):
-    """Graph runs of several decode steps (each sampled token fed back on the GPU by decode_advance) give the
-    same tokens, texts and finish reasons as eager steps one at a time: greedy and seeded top-p requests of
-    different lengths, one ended mid-run by a stop string; fp32."""
+    """Graph runs of several decode steps (each sampled token fed back on the GPU by decode_advance), and runs
+    launched while the host still reads the run before, give the same tokens, texts and finish reasons as
+    eager steps one at a time: greedy and seeded top-p requests of different lengths, one ended mid-run by a
+    stop string, with the blocks of every request freed at the end; fp32."""
     def run(stop=None, **kw):
         llm = LLM(str(tiny.path), device="cuda", dtype="float32", num_kv_tokens=4096, **kw)
-        runs = []
+        runs = []  # (steps ahead of the host's tokens, steps in the run)
         lookahead = llm._lookahead
-        llm._lookahead = lambda seqs: runs.append(lookahead(seqs)) or runs[-1]
+        llm._lookahead = lambda seqs, ahead: runs.append((ahead, lookahead(seqs, ahead))) or runs[-1][1]
         params = [SamplingParams(max_tokens=m, temperature=t, top_p=0.9, seed=i, ignore_eos=True, stop=stop)
-                  for i, (m, t) in enumerate([(29, 0), (13, 1.0), (21, 0.8)])]
+                  for i, (m, t) in enumerate([(40, 0), (13, 1.0), (33, 0.8)])]
         outs = llm.generate(PROMPTS[:3], params)
+        llm.step()  # drops a run launched ahead of the last tokens, if any, and frees what it held
+        assert llm.kv.allocator.num_free() == llm.kv.num_blocks
         return [(o.token_ids, o.text, o.finish_reason) for o in outs], runs
 
     eager, _ = run(cuda_graphs=False)
@@ -1141,7 +1154,9 @@ def test_multi_step_decoding_changes_no_token(tiny):
     stop = text[len(text) // 2:len(text) // 2 + 2]  # ends request 0 partway, inside a run of steps
     eager, _ = run(stop, cuda_graphs=False)
     graphed, runs = run(stop)
-    assert max(runs) == ni.LOOKAHEAD and min(runs) < ni.LOOKAHEAD, runs
+    steps = [n for _, n in runs]
+    assert max(steps) == ni.LOOKAHEAD and 1 < min(n for n in steps if n) < ni.LOOKAHEAD, runs
+    assert any(ahead and n for ahead, n in runs), f"no run was launched ahead of the host: {runs}"
     assert graphed == eager
     assert eager[0][2] == "stop"
 
