@@ -924,20 +924,25 @@ extern "C" __global__ void __launch_bounds__(1024, 1) sample_tokens(
 
 // ---------------------------------------------------------------------------------------------
 // decode_advance: the last kernel of a CUDA-graph decode step, so that the next step can start with no
-// host in between (multi-step decoding): each real row's sampled token is kept in a ring of history
-// rows (row substep % ring, so one run's rows can be read while the next run writes its own) and
-// becomes its next input, its position and context length move on by one, its new KV slot is looked
-// up in its block table (the engine reserved those blocks), and its sampling counter steps. Padding
-// rows (slot -1) stay as they are. Tiny: one thread per row, 7 ints each.
+// host in between (multi-step decoding): each row's sampled token is kept in a ring of history rows
+// (row substep % ring, so one run's rows can be read while the next run writes its own). A live row
+// then moves on: its token becomes its next input, its position and context length grow by one, its
+// new KV slot is looked up in its block table (the engine reserved those blocks) and its sampling
+// counter steps, unless that was the last token it may take (`remaining`): then it turns into padding
+// (slot -1, never written), as rows past the batch are. Tiny: one thread per row, 8 ints each.
 extern "C" __global__ void decode_advance(const int* tokens, int* input_ids, int* positions, int* context_lens,
-                                          int* slot_mapping, int* step, const int* block_tables, int max_blocks,
-                                          int block_size, int* history, int ring, int* substep, int B) {
+                                          int* slot_mapping, int* step, int* remaining, const int* block_tables,
+                                          int max_blocks, int block_size, int* history, int ring, int* substep, int B) {
     const int i = threadIdx.x, s = *substep;
     __syncthreads();  // every thread has read the counter before thread 0 moves it on
     if (i == 0) *substep = s + 1;
     if (i >= B) return;
     history[(s % ring) * B + i] = tokens[i];
     if (slot_mapping[i] < 0) return;
+    if (--remaining[i] == 0) {
+        slot_mapping[i] = -1;
+        return;
+    }
     const int pos = positions[i] + 1, blk = pos / block_size;
     input_ids[i] = tokens[i];
     positions[i] = pos;

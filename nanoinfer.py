@@ -428,8 +428,10 @@ class CudaBackend:
     def matmul(self, x, w, bias=None, gelu=False, residual=None, ln=None, out_dtype=None):
         M, K = x.shape
         N = w.shape[0]
-        # matmul_gemv for small M; the layernorm rides along for K <= 2048 (every GPT-2)
-        gemv = self.dtype == np.float16 and M <= GEMV_MAX_M and M * K * 2 <= GEMV_SMEM and (ln is None or K <= 2048)
+        # matmul_gemv for small M (the layernorm rides along for K <= 2048: every GPT-2), but not for the lm_head's
+        # 50257 rows, which stream faster through the tensor cores (bench.py: 22 against 26 us)
+        gemv = self.dtype == np.float16 and M <= GEMV_MAX_M and M * K * 2 <= GEMV_SMEM and N <= 16384 and \
+            (ln is None or K <= 2048)
         if ln is not None and not (self.fuse and gemv):  # the layernorm as a kernel of its own
             x, ln = self.layernorm(x, *ln), None
         if not self.fuse and (bias is not None or gelu or residual is not None):
@@ -643,9 +645,10 @@ class DecodeGraph:
     def __init__(self, model, kv, B):
         be, c = model.backend, model.config
         self.B, max_blocks = B, kv.blocks_needed(c.n_ctx)
-        fields = [("seed", 2 * B), ("temperature", B), ("top_p", B), ("top_k", B), ("step", B), ("input_ids", B),
-                  ("positions", B), ("context_lens", B), ("substep", 1),
-                  ("slot_mapping", B), ("block_tables", B * max_blocks)]  # these two last: carry_on copies them
+        fields = [("seed", 2 * B), ("temperature", B), ("top_p", B), ("top_k", B), ("input_ids", B), ("substep", 1),
+                  # the host knows these for any step ahead, so carry_on rewrites them (input_ids come from the GPU)
+                  ("step", B), ("remaining", B), ("positions", B), ("context_lens", B), ("slot_mapping", B),
+                  ("block_tables", B * max_blocks)]
         self.host = np.zeros(sum(n for _, n in fields), np.int32)  # (all fields,) in one int32 buffer
         self.pool = cp.cuda.MemoryPool()
         with cp.cuda.using_allocator(self.pool.malloc):
@@ -661,9 +664,9 @@ class DecodeGraph:
                 context_lens=self.d["context_lens"], block_tables=self.d["block_tables"].reshape(B, max_blocks),
                 cu_seqlens_q=arange, logits_idx=None, n_rows=B, max_row_len=c.n_ctx, row_q=arange[:B],
                 row_seq=arange[:B], row_len=self.d["context_lens"], n_tiles=0, tile_seq=arange[:0], tile_q0=arange[:0])
-            self._fill(0, [], [], [], np.zeros((0, 1), np.int32), [], [], [], [], [])
-            self.dev.set(self.host)
             self.stream = cp.cuda.Stream(non_blocking=True)
+            self.start([], [], [], [], [], step=[], remaining=[], positions=[], slot_mapping=[],
+                       block_tables=np.zeros((0, 1), np.int32))
             with self.stream:
                 self._step(model, kv)  # warm-up: the first launches and allocations stay out of the capture
                 self.stream.synchronize()
@@ -678,41 +681,43 @@ class DecodeGraph:
         tokens = be.sample_device(logits, d["temperature"].view(np.float32), d["top_k"], d["top_p"].view(np.float32),
                                   d["seed"].view(np.uint64), d["step"])
         be.k["decode_advance"]((1,), (self.B,), (tokens, d["input_ids"], d["positions"], d["context_lens"],
-                                                d["slot_mapping"], d["step"], d["block_tables"],
+                                                d["slot_mapping"], d["step"], d["remaining"], d["block_tables"],
                                                 np.int32(b.block_tables.shape[1]), np.int32(kv.block_size),
                                                 self.history, np.int32(len(self.history)), d["substep"],
                                                 np.int32(self.B)))
 
-    def _fill(self, n, input_ids, positions, slot_mapping, block_tables, temperature, top_k, top_p, seed, step):
-        h = self.h
-        for name, values, pad in (("input_ids", input_ids, 0), ("positions", positions, 0),
-                                  ("slot_mapping", slot_mapping, -1), ("context_lens", positions, 0),
-                                  ("top_k", top_k, 0), ("step", step, 0)):
-            h[name][:n], h[name][n:] = values, pad
-        h["context_lens"][:n] += 1  # a decode token at position p sees p + 1 keys; padding sees 1
-        h["context_lens"][n:] = 1
-        h["temperature"].view(np.float32)[:n], h["temperature"][n:] = temperature, 0  # padding is greedy
+    def start(self, input_ids, temperature, top_k, top_p, seed, **rows):
+        """Load a decode batch of n <= B sequences: each one's last token and sampling parameters, and the
+        per-row fields of _set_rows. Rows past n are padding: greedy, cache slot -1 (never written)."""
+        h, self.n = self.h, len(input_ids)
+        n = self.n
+        h["input_ids"][:n], h["input_ids"][n:] = input_ids, 0
+        h["top_k"][:n], h["top_k"][n:] = top_k, 0
+        h["temperature"].view(np.float32)[:n], h["temperature"][n:] = temperature, 0
         h["top_p"].view(np.float32)[:n], h["top_p"].view(np.float32)[n:] = top_p, 1
         h["seed"].view(np.uint64)[:n], h["seed"].view(np.uint64)[n:] = seed, 0
         h["substep"][0] = 0
+        self._set_rows(**rows)
+        self.dev.set(self.host, stream=self.stream)
+        self.substep = 0  # the history row the next step writes (the GPU keeps its own count)
+
+    def _set_rows(self, step, remaining, positions, slot_mapping, block_tables):
+        """Per row: its sampling counter, the steps it may still take (decode_advance makes it padding after the
+        last), its position, its cache slot (-1: padding) and its block table."""
+        h, n = self.h, self.n
+        for name, values, pad in (("step", step, 0), ("remaining", remaining, 0), ("positions", positions, 0),
+                                  ("slot_mapping", slot_mapping, -1)):
+            h[name][:n], h[name][n:] = values, pad
+        h["context_lens"][:] = h["positions"] + 1  # a token at position p sees p + 1 keys; padding sees 1
         tables = h["block_tables"].reshape(self.B, -1)
         tables[:] = 0
         tables[:n, :block_tables.shape[1]] = block_tables
 
-    def start(self, batch, temperature, top_k, top_p, seed, step):
-        """Load a decode batch of n <= B sequences (every step of it must already have its KV blocks)."""
-        self.n = len(batch.input_ids)
-        self._fill(self.n, batch.input_ids, batch.positions, batch.slot_mapping, batch.block_tables,
-                   temperature, top_k, top_p, seed, step)
-        self.dev.set(self.host, stream=self.stream)
-        self.substep = 0  # the history row the next step writes (the GPU keeps its own count)
-
-    def carry_on(self, block_tables, slot_mapping):
-        """Let the next launches go on from where the launched ones stop (the GPU already advanced the tokens,
-        positions and counters), with the blocks added since and the next step's slots; stream-ordered."""
-        self.h["slot_mapping"][:self.n] = slot_mapping
-        self.h["block_tables"].reshape(self.B, -1)[:self.n, :block_tables.shape[1]] = block_tables
-        first = self.offset["slot_mapping"]
+    def carry_on(self, **rows):
+        """Let the next launches go on from where the launched ones stop: the GPU has each row's next input
+        token; the host rewrites the rest (blocks added since, rows that are done now padding); stream-ordered."""
+        self._set_rows(**rows)
+        first = self.offset["step"]
         self.dev[first:].set(self.host[first:], stream=self.stream)
 
     def launch(self, steps):
@@ -882,9 +887,7 @@ class LLM:
             if graph is None:
                 return self._eager_step(scheduled, batch, sampling, params)
             steps = self._lookahead(sampling, 0)
-            if steps > 1:  # the batch again, with the block tables that hold every step
-                batch, _ = self._make_batch(scheduled)
-            graph.start(batch, *params)
+            graph.start(batch.input_ids, *params[:4], **self._run_rows(sampling, 0))
             run = Run(graph, sampling, steps, *graph.launch(steps))
         # the next run can usually go on from where this one stops: launch it now, so that the GPU computes it
         # while the host turns this run's tokens into text
@@ -907,36 +910,52 @@ class LLM:
             events.append(self._event(seq))
         return events
 
+    def _left(self, seqs, ahead):
+        """(S,) the decode steps each sequence may still take, `ahead` steps past the host's tokens (0: done)."""
+        c = self.config
+        return np.array([0 if s.finish_reason else min(s.params.max_tokens - s.num_output, c.n_ctx - len(s.token_ids))
+                         - ahead for s in seqs]).clip(0)
+
     def _lookahead(self, seqs, ahead):
-        """How many decode steps a graph run takes, `ahead` steps after the tokens the host has: up to
-        LOOKAHEAD, as long as no sequence can pass its max_tokens or the context on the way and the free blocks
-        hold them all (reserved here). A sequence that stops early (EOS, a stop string) wastes the steps after
-        that; it never emits them. 0: not even one."""
-        c, kv = self.config, self.kv
-        steps = min([min(self.lookahead, LOOKAHEAD)] + [min(s.params.max_tokens - s.num_output,
-                                                            c.n_ctx - len(s.token_ids)) - ahead for s in seqs])
+        """How many decode steps a graph run takes, `ahead` steps past the host's tokens: up to LOOKAHEAD, and no
+        more than the longest sequence may still take (a shorter one turns into padding after its last), with
+        every step's blocks free (reserved here). A sequence that stops early (EOS, a stop string) wastes the
+        steps after that; it never emits them. 0: not even one."""
+        kv, left = self.kv, self._left(seqs, ahead)
         last = [len(s.token_ids) - 1 + ahead for s in seqs]  # the position each one's next step computes
-        while steps > 0 and sum(kv.blocks_needed(p + steps) - len(kv.block_tables[s.seq_id])
-                                for s, p in zip(seqs, last)) > kv.allocator.num_free():
+        steps = int(min(self.lookahead, LOOKAHEAD, left.max()))
+        while steps > 0 and sum(max(0, kv.blocks_needed(p + min(steps, n)) - len(kv.block_tables[s.seq_id]))
+                                for s, p, n in zip(seqs, last, left) if n) > kv.allocator.num_free():
             steps //= 2
-        for s, p in zip(seqs, last):
-            kv.grow(s.seq_id, p + max(steps, 0))
-        return max(steps, 0)
+        for s, p, n in zip(seqs, last, left):
+            if n:
+                kv.grow(s.seq_id, p + min(steps, n))
+        return steps
+
+    def _run_rows(self, seqs, ahead):
+        """The per-row fields of a graph run that starts `ahead` steps past the host's tokens (DecodeGraph._set_rows);
+        a sequence that is done is a padding row."""
+        left = self._left(seqs, ahead)
+        positions = np.where(left > 0, [len(s.token_ids) - 1 + ahead for s in seqs], 0)
+        tables = self.kv.block_table_array([s.seq_id for s in seqs])  # (S, max_blocks)
+        slots = np.where(left > 0, self.kv.slot_mapping(tables, np.arange(len(seqs)), positions), -1)
+        return dict(step=[s.num_output + ahead for s in seqs], remaining=left, positions=positions,
+                    slot_mapping=slots, block_tables=tables)
 
     def _carry_on(self, run):
-        """The run after `run`, launched, if it can decode the same sequences without the scheduler: multi-step
-        decoding is on, no request waits for a free seat, none of them finishes by length in `run`, and the
-        free blocks hold the new steps. Else None."""
+        """The run after `run`, launched, if it can go on without the scheduler: multi-step decoding is on, no
+        request waits for a free seat, and enough of the sequences go on that no smaller graph would do (the
+        ones that are done become padding). Else None."""
         s = self.scheduler
-        if self.lookahead == 1 or (s.waiting and len(s.running) < s.max_num_seqs) or \
-                any(seq.finish_reason for seq in run.seqs):
+        if self.lookahead == 1 or (s.waiting and len(s.running) < s.max_num_seqs):
+            return None
+        live = int((self._left(run.seqs, run.steps) > 0).sum())
+        if not live or next(b for b in GRAPH_BUCKETS if b >= live) < run.graph.B:
             return None
         steps = self._lookahead(run.seqs, run.steps)
         if steps == 0:
             return None
-        tables = self.kv.block_table_array([seq.seq_id for seq in run.seqs])  # (n, max_blocks)
-        positions = np.array([len(seq.token_ids) - 1 + run.steps for seq in run.seqs])
-        run.graph.carry_on(tables, self.kv.slot_mapping(tables, np.arange(len(positions)), positions))
+        run.graph.carry_on(**self._run_rows(run.seqs, run.steps))
         return Run(run.graph, run.seqs, steps, *run.graph.launch(steps))
 
     def _collect(self, run):

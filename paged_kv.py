@@ -80,9 +80,10 @@ class PagedKVCache:
                 positions % self.block_size).astype(np.int32)
 
     def block_table_array(self, seq_ids):
-        """(S, max_blocks) int32, each row a sequence's block table padded with 0 (never read past its length)."""
-        tables = [self.block_tables[s] for s in seq_ids]
-        out = np.zeros((len(tables), max(len(t) for t in tables)), dtype=np.int32)
+        """(S, max_blocks) int32, each row a sequence's block table padded with 0 (never read past its length);
+        a sequence that holds no blocks (finished, freed) gets a row of zeros."""
+        tables = [self.block_tables.get(s, ()) for s in seq_ids]
+        out = np.zeros((len(tables), max(1, max(len(t) for t in tables))), dtype=np.int32)
         for row, table in zip(out, tables):
             row[:len(table)] = table
         return out

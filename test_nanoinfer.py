@@ -1133,18 +1133,20 @@ def test_cuda_graphs_change_no_token(tiny):
 
 @NO_GPU
 def test_multi_step_decoding_changes_no_token(tiny):
-    """Graph runs of several decode steps (each sampled token fed back on the GPU by decode_advance), and runs
-    launched while the host still reads the run before, give the same tokens, texts and finish reasons as
-    eager steps one at a time: greedy and seeded top-p requests of different lengths, one ended mid-run by a
-    stop string, with the blocks of every request freed at the end; fp32."""
+    """Graph runs of several decode steps (each sampled token fed back on the GPU by decode_advance, a row that
+    reaches its max_tokens turning into padding), and runs launched while the host still reads the run before,
+    give the same tokens, texts and finish reasons as eager steps one at a time: greedy and seeded top-p
+    requests of different lengths, one ended mid-run by a stop string and carried along as padding, its blocks
+    freed, while the others go on; every block is free at the end; fp32."""
     def run(stop=None, **kw):
         llm = LLM(str(tiny.path), device="cuda", dtype="float32", num_kv_tokens=4096, **kw)
         runs = []  # (steps ahead of the host's tokens, steps in the run)
         lookahead = llm._lookahead
         llm._lookahead = lambda seqs, ahead: runs.append((ahead, lookahead(seqs, ahead))) or runs[-1][1]
-        params = [SamplingParams(max_tokens=m, temperature=t, top_p=0.9, seed=i, ignore_eos=True, stop=stop)
-                  for i, (m, t) in enumerate([(40, 0), (13, 1.0), (33, 0.8)])]
-        outs = llm.generate(PROMPTS[:3], params)
+        params = [SamplingParams(max_tokens=m, temperature=t, top_p=0.9, seed=i, ignore_eos=True,
+                                 stop=stop if i == 0 else None)
+                  for i, (m, t) in enumerate([(60, 0), (90, 1.0), (85, 0.8), (99, 0)])]
+        outs = llm.generate(PROMPTS[:4], params)
         llm.step()  # drops a run launched ahead of the last tokens, if any, and frees what it held
         assert llm.kv.allocator.num_free() == llm.kv.num_blocks
         return [(o.token_ids, o.text, o.finish_reason) for o in outs], runs
@@ -1154,8 +1156,7 @@ def test_multi_step_decoding_changes_no_token(tiny):
     stop = text[len(text) // 2:len(text) // 2 + 2]  # ends request 0 partway, inside a run of steps
     eager, _ = run(stop, cuda_graphs=False)
     graphed, runs = run(stop)
-    steps = [n for _, n in runs]
-    assert max(steps) == ni.LOOKAHEAD and 1 < min(n for n in steps if n) < ni.LOOKAHEAD, runs
+    assert max(n for _, n in runs) == ni.LOOKAHEAD, runs
     assert any(ahead and n for ahead, n in runs), f"no run was launched ahead of the host: {runs}"
     assert graphed == eager
     assert eager[0][2] == "stop"
