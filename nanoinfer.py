@@ -539,12 +539,14 @@ class CudaBackend:
             raise NotImplementedError(f"attention: the kernels are written for head_dim 64 (every GPT-2), got {D}")
         # decode (one query per sequence, so no other query needs this step's keys from the cache): the
         # attention kernel writes the cache itself; otherwise a cache_write kernel goes first
-        fused = self.fuse and batch.n_tiles == 0 and batch.n_rows == len(batch.context_lens)
-        if not fused:
+        new_kv = (0, 0, np.int32(0), 0)
+        if self.fuse and batch.n_tiles == 0 and batch.n_rows == len(batch.context_lens):
+            (k, ks), (v, vs) = self._rows(k), self._rows(v)
+            assert ks == vs, "attention: k and v must share a row stride (views into one qkv array)"
+            new_kv = (k, v, np.int32(ks), batch.slot_mapping)
+        else:
             self.cache_write(k, v, k_cache, v_cache, batch.slot_mapping)
         q, qs = self._rows(q)
-        (k, ks), (v, vs) = self._rows(k), self._rows(v)
-        assert ks == vs, "attention: k and v must share a row stride (views into one qkv array)"
         out = self.empty((T, H, D))
         block_size, max_blocks = k_cache.shape[1], batch.block_tables.shape[1]
         scale_log2 = np.float32(scale * math.log2(math.e))
@@ -561,7 +563,6 @@ class CudaBackend:
             assert nsplit == 1 or batch.n_rows * H <= self._counters.size
             part_o = cp.empty(batch.n_rows * H * nsplit * 64 if nsplit > 1 else 0, np.float32)
             part_lse = cp.empty(batch.n_rows * H * nsplit if nsplit > 1 else 0, np.float32)
-            new_kv = (k, v, np.int32(ks), batch.slot_mapping) if fused else (0, 0, np.int32(0), 0)
             self.k[f"attention_rows<{self.t}>"]((batch.n_rows, H, nsplit), (128,),
                                                (q, np.int32(qs)) + new_kv + (k_cache, v_cache) + common +
                                                (batch.row_q, batch.row_seq, batch.row_len, np.int32(H), scale_log2,
@@ -632,7 +633,7 @@ class GPT:
 
 
 class DecodeGraph:
-    """A decode step of up to B sequences replayed from one CUDA graph: the ~60 kernel launches of a step
+    """A decode step of up to B sequences replayed from one CUDA graph: the 65 kernel launches of a step
     cost one launch instead of ~7 us of Python and driver time each. A graph freezes every pointer and scalar
     it was captured with, so the step's inputs live in one fixed buffer (a step costs one host-to-device copy),
     attention is planned for the longest context (its kernels stop at each row's real length), unused rows
