@@ -321,7 +321,8 @@ __global__ void __launch_bounds__(256, 2) matmul_gemv(const half* __restrict__ x
 }
 
 // ---------------------------------------------------------------------------------------------
-// matmul_skinny: the same y = epilogue(x @ w.T) for larger decode batches, M <= 8*MT <= 64 rows of x.
+// matmul_skinny: the same y = epilogue(x @ w.T) for larger decode batches (M <= 8*MT <= 64 rows of x),
+// and for the lm_head at any decode batch: its 50257 rows stream faster here than through matmul_gemv.
 // Memory-bound: 2*M*N*K FLOPs over N*K*2 bytes of weights, which must stream at full bandwidth; a
 // 128-row tile would be mostly empty. A block owns 16 rows of w and uses the tensor cores with the
 // roles swapped: w is the mma's A (16 x k16), 8 rows of x are its B. A dot product does not care in
