@@ -882,23 +882,24 @@ class LLM:
             scheduled = self.scheduler.schedule()
             if not scheduled:
                 return []
-            batch, sampling = self._make_batch(scheduled)
-            params = self._sampling_arrays(sampling)
-            graph = self._decode_graph(batch, sampling)
+            graph = self._decode_graph(scheduled)
             if graph is None:
-                return self._eager_step(scheduled, batch, sampling, params)
-            steps = self._lookahead(sampling, 0)
-            graph.start(batch.input_ids, *params[:4], **self._run_rows(sampling, 0))
-            run = Run(graph, sampling, steps, *graph.launch(steps))
+                return self._eager_step(scheduled)
+            seqs = [seq for seq, _ in scheduled]
+            steps = self._lookahead(seqs, 0)
+            graph.start([seq.token_ids[-1] for seq in seqs], *self._sampling_arrays(seqs)[:4],
+                        **self._run_rows(seqs, 0))
+            run = Run(graph, seqs, steps, *graph.launch(steps))
         # the next run can usually go on from where this one stops: launch it now, so that the GPU computes it
         # while the host turns this run's tokens into text
         self._inflight = self._carry_on(run)
         return self._collect(run)
 
-    def _eager_step(self, scheduled, batch, sampling, params):
+    def _eager_step(self, scheduled):
         """A step of kernels launched one by one (prefill, logprobs, or CUDA graphs off)."""
+        batch, sampling = self._make_batch(scheduled)
         logits = self.model.forward(batch, self.kv)  # (R, V)
-        tokens = self.backend.sample(logits, *params)
+        tokens = self.backend.sample(logits, *self._sampling_arrays(sampling))
         for seq, n in scheduled:
             seq.num_computed += n
         events = []
@@ -984,11 +985,11 @@ class LLM:
     def _event(self, seq):
         return seq.seq_id, seq.new_text(), self._output(seq) if seq.finish_reason else None
 
-    def _decode_graph(self, batch, sampling):
-        """The CUDA graph for this step if every sequence decodes one token (and none wants logprobs)."""
-        n = len(batch.input_ids)
-        if not self.cuda_graphs or n != len(sampling) or n > GRAPH_BUCKETS[-1] or \
-                any(s.logprobs is not None for s in sampling):
+    def _decode_graph(self, scheduled):
+        """The CUDA graph for this step if every sequence decodes one token (its last; none wants logprobs)."""
+        n = len(scheduled)
+        if not self.cuda_graphs or n > GRAPH_BUCKETS[-1] or \
+                any(k != 1 or s.num_uncomputed != 1 or s.logprobs is not None for s, k in scheduled):
             return None
         B = next(b for b in GRAPH_BUCKETS if b >= n)
         if B not in self._graphs:
