@@ -384,7 +384,11 @@ def bench_gpu(path, args, results):
     llm._graphs.clear()
     lessons["fusion off (layernorm, bias, GELU, residual as kernels of their own): single stream tok/s (on: %.0f)" % tps] = \
         time_generate(llm, one, 256)[0]
-    llm.backend.fuse = True
+    llm.backend.fuse, llm.backend.pdl = True, False
+    llm._graphs.clear()
+    lessons["dependent launches off (each kernel in a graph starts only once the one before has finished): "
+            "single stream tok/s (on: %.0f)" % tps] = time_generate(llm, one, 256)[0]
+    llm.backend.pdl = True
     llm._graphs.clear()
 
     # streaming: the first token comes long before the last; the work is the same

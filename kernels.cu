@@ -32,6 +32,19 @@ __device__ __forceinline__ uint4 load16_stream(const void* p) {
     return r;
 }
 
+// Programmatic dependent launch (sm_90). In a CUDA graph the engine launches every kernel so that it may
+// start while the kernel before it is still running (nanoinfer.py, CudaBackend.launch). Until it calls
+// wait_for_inputs() a kernel may read only what no kernel of the step writes (the weights): the call returns
+// once the kernels before it have finished and their writes are visible. It then lets the next kernel's
+// blocks onto the SMs, to load their weights while this one works. In a plain launch both are no-ops.
+// Inputs that the kernel before writes are therefore not read-only for a kernel's whole lifetime, so they
+// are never __restrict__ (that lets the compiler read them through the non-coherent cache, ld.global.nc,
+// which returned stale rows under dependent launches on the H200); the weights are.
+__device__ __forceinline__ void wait_for_inputs() {
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
     for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(FULL_MASK, v, off);
     return v;
@@ -102,9 +115,10 @@ __device__ __forceinline__ unsigned pack_half2(float lo, float hi) {
 // Edges: rows past M or N and 16-byte chunks past K are zero-filled by cp.async, so K only has to be
 // a multiple of 8. Bias, GELU and the residual add happen on the fp32 accumulators.
 template <int BM>
-__global__ void __launch_bounds__(256) matmul_tc(const half* __restrict__ x, const half* __restrict__ w,
-                                                 const half* __restrict__ bias, const half* __restrict__ residual,
+__global__ void __launch_bounds__(256) matmul_tc(const half* x, const half* __restrict__ w,
+                                                 const half* __restrict__ bias, const half* residual,
                                                  void* __restrict__ y, int M, int N, int K, int gelu, int y_f32) {
+    wait_for_inputs();
     constexpr int BN = 128, BK = 64, LD = BK + 8, STAGES = 3, WM = BM / 2, MI = WM / 16;
     extern __shared__ __align__(16) unsigned char smem[];
     half* As = reinterpret_cast<half*>(smem);  // [STAGES][BM][LD]
@@ -192,8 +206,8 @@ __global__ void __launch_bounds__(256) matmul_tc(const half* __restrict__ x, con
 // its own. Each lane keeps fp32 sums; at the end of a row the warp adds them up with shuffles and lane
 // m finishes row m. At GPT-2's small matrices (1-3 us) this is about one HBM round trip plus launch.
 template <int MR>
-__global__ void __launch_bounds__(256, 2) matmul_gemv(const half* __restrict__ x, const half* __restrict__ w,
-                                                   const half* __restrict__ bias, const half* __restrict__ residual,
+__global__ void __launch_bounds__(256, 2) matmul_gemv(const half* x, const half* __restrict__ w,
+                                                   const half* __restrict__ bias, const half* residual,
                                                    void* __restrict__ y, int M, int N, int K, int gelu, int y_f32,
                                                    const half* __restrict__ ln_w, const half* __restrict__ ln_b,
                                                    float eps) {
@@ -215,6 +229,7 @@ __global__ void __launch_bounds__(256, 2) matmul_gemv(const half* __restrict__ x
     uint4 wa[R], wb[R];
     load(wa, 0);
     load(wb, 1);
+    wait_for_inputs();  // in a graph the first weights are already on their way while the kernel before finishes
 
     if (!ln_w) {  // prologue: the block stages x (M, K) in shared memory while the weights are on their way
         for (int i = threadIdx.x * 8; i < M * K; i += 256 * 8) store16(xs + i, load16(x + i));
@@ -334,8 +349,8 @@ __global__ void __launch_bounds__(256, 2) matmul_gemv(const half* __restrict__ x
 // across blockIdx.y: partial sums go to `partial`, and the last block of each column (a counter in
 // global memory) adds them up and runs the epilogue (and resets the counter for the next launch).
 template <int MT>
-__global__ void __launch_bounds__(128) matmul_skinny(const half* __restrict__ x, const half* __restrict__ w,
-                                                     const half* __restrict__ bias, const half* __restrict__ residual,
+__global__ void __launch_bounds__(128) matmul_skinny(const half* x, const half* __restrict__ w,
+                                                     const half* __restrict__ bias, const half* residual,
                                                      void* __restrict__ y, int M, int N, int K, int gelu, int y_f32,
                                                      int k_per_split, float* partial, int* counters) {
     constexpr int U = MT >= 4 ? 2 : 4;  // chunks per warp step: bytes in flight vs registers
@@ -346,6 +361,7 @@ __global__ void __launch_bounds__(128) matmul_skinny(const half* __restrict__ x,
     const half* w1 = w + (long)min(n0 + g + 8, N - 1) * K;
     const uint4 zero = make_uint4(0, 0, 0, 0);
     float acc[MT][4] = {};
+    bool waited = false;
     for (int k = k_begin + warp * 64; k < k_end; k += 4 * 64 * U) {  // chunk u of this step: k + 256 u
         uint4 a0[U][2], a1[U][2];
 #pragma unroll
@@ -356,6 +372,8 @@ __global__ void __launch_bounds__(128) matmul_skinny(const half* __restrict__ x,
                 a0[u][hf] = kk < k_end ? load16_stream(w0 + kk) : zero;
                 a1[u][hf] = kk < k_end ? load16_stream(w1 + kk) : zero;
             }
+        if (!waited) wait_for_inputs();  // x comes from the kernel before: the first weights go out first
+        waited = true;
 #pragma unroll
         for (int u = 0; u < U; u++) {
             uint4 xv[MT][2];  // all loads first: one L2 round trip per chunk, not one per token tile
@@ -378,6 +396,7 @@ __global__ void __launch_bounds__(128) matmul_skinny(const half* __restrict__ x,
                 }
         }
     }
+    if (!waited) wait_for_inputs();  // a warp with no chunk of K
     __shared__ float red[4][MT * 4][32];
 #pragma unroll
     for (int i = 0; i < MT * 4; i++) red[warp][i][lane] = acc[i / 4][i % 4];
@@ -433,10 +452,10 @@ __global__ void __launch_bounds__(128) matmul_skinny(const half* __restrict__ x,
 // matmul_f32: the fp32 path, there for exact comparisons rather than speed (SIMT, no tensor cores).
 // Classic shared-memory tiling: a 64 x 64 tile of y per block, K by 16; each of 256 threads owns a
 // 4 x 4 patch, so every value read from shared memory feeds 4 FMAs. 2*M*N*K FLOPs.
-extern "C" __global__ void __launch_bounds__(256) matmul_f32(const float* __restrict__ x, const float* __restrict__ w,
-                                                             const float* __restrict__ bias,
-                                                             const float* __restrict__ residual, float* __restrict__ y,
+extern "C" __global__ void __launch_bounds__(256) matmul_f32(const float* x, const float* __restrict__ w,
+                                                             const float* __restrict__ bias, const float* residual, float* __restrict__ y,
                                                              int M, int N, int K, int gelu) {
+    wait_for_inputs();
     __shared__ float xs[16][64 + 4], ws[16][64 + 4];  // k-major: the inner loop reads along m and n
     const int tx = threadIdx.x % 16, ty = threadIdx.x / 16, m0 = blockIdx.y * 64, n0 = blockIdx.x * 64;
     float acc[4][4] = {};
@@ -470,6 +489,7 @@ extern "C" __global__ void __launch_bounds__(256) matmul_f32(const float* __rest
 // mean first, then the centred sum of squares (no cancellation).
 template <typename T>
 __global__ void __launch_bounds__(128) layernorm(const T* x, const T* w, const T* b, T* y, int rows, int C, float eps) {
+    wait_for_inputs();
     constexpr int VEC = 16 / sizeof(T), NV = 64 / VEC;
     const int row = blockIdx.x * 4 + threadIdx.x / 32, lane = threadIdx.x % 32;
     if (row >= rows) return;
@@ -515,6 +535,7 @@ __global__ void __launch_bounds__(128) layernorm(const T* x, const T* w, const T
 // One block per token, 16-byte vectors.
 template <typename T>
 __global__ void embed(const T* wte, const T* wpe, const int* ids, const int* pos, T* out, int C) {
+    wait_for_inputs();
     constexpr int VEC = 16 / sizeof(T);
     const T* a = wte + (long)ids[blockIdx.x] * C;
     const T* p = wpe + (long)pos[blockIdx.x] * C;
@@ -536,6 +557,7 @@ __global__ void embed(const T* wte, const T* wpe, const int* ids, const int* pos
 template <typename T>
 __global__ void cache_write(const T* k, const T* v, int k_stride, int v_stride, T* k_cache, T* v_cache,
                             const int* slot_mapping, int HD) {
+    wait_for_inputs();
     constexpr int VEC = 16 / sizeof(T);
     const long slot = slot_mapping[blockIdx.x];
     if (slot < 0) return;
@@ -557,6 +579,7 @@ extern "C" __global__ void __launch_bounds__(128) attention_prefill(
     const half* __restrict__ q, int q_stride, const half* __restrict__ k_cache, const half* __restrict__ v_cache,
     const int* block_tables, int max_blocks, int block_size, const int* cu_seqlens_q, const int* context_lens,
     const int* tile_seq, const int* tile_q0, int H, float scale_log2, half* out) {
+    wait_for_inputs();
     constexpr int BQ = 64, BKV = 64, D = 64, LD = D + 8;  // 144-byte rows: ldmatrix without bank conflicts
     __shared__ __align__(16) half Qs[BQ * LD];
     __shared__ __align__(16) half Ks[2][BKV * LD];
@@ -686,10 +709,11 @@ extern "C" __global__ void __launch_bounds__(128) attention_prefill(
 // it in the cache at slot_mapping[row_q[r]], for the steps after this one.
 template <typename T>
 __global__ void __launch_bounds__(128) attention_rows(
-    const T* __restrict__ q, int q_stride, const T* __restrict__ k_new, const T* __restrict__ v_new, int kv_stride,
+    const T* q, int q_stride, const T* k_new, const T* v_new, int kv_stride,
     const int* slot_mapping, T* k_cache, T* v_cache,
     const int* block_tables, int max_blocks, int block_size, const int* row_q, const int* row_seq,
     const int* row_len, int H, float scale_log2, T* out, float* part_o, float* part_lse, int* counters) {
+    wait_for_inputs();
     constexpr int D = 64, VEC = 16 / sizeof(T), LPK = D / VEC, KPW = 32 / LPK;  // lanes per key, keys per warp
     const int r = blockIdx.x, h = blockIdx.y, split = blockIdx.z;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, grp = lane / LPK, sub = lane % LPK;
@@ -820,6 +844,7 @@ __device__ double block_sum(double v, double* scratch) {
 extern "C" __global__ void __launch_bounds__(1024, 1) sample_tokens(
     const float* logits, int V, const float* temperature, const int* top_k, const float* top_p,
     const unsigned long long* seed, const int* step, int* tokens, int cache_p) {
+    wait_for_inputs();
     __shared__ double scratch[32];
     __shared__ float best_v[32];
     __shared__ int best_i[32], result[2];
@@ -934,6 +959,7 @@ extern "C" __global__ void __launch_bounds__(1024, 1) sample_tokens(
 extern "C" __global__ void decode_advance(const int* tokens, int* input_ids, int* positions, int* context_lens,
                                           int* slot_mapping, int* step, int* remaining, const int* block_tables,
                                           int max_blocks, int block_size, int* history, int ring, int* substep, int B) {
+    wait_for_inputs();
     const int i = threadIdx.x, s = *substep;
     __syncthreads();  // every thread has read the counter before thread 0 moves it on
     if (i == 0) *substep = s + 1;

@@ -6,6 +6,8 @@ the CUDA backend (the same ops as hand-written kernels from kernels.cu), the GPT
 batch of tokens, the sampler, and the LLM engine that ties them to the paged KV cache (paged_kv.py) and
 the continuous-batching scheduler (scheduler.py).
 """
+import ctypes
+import functools
 import itertools
 import json
 import math
@@ -341,6 +343,22 @@ def compile_kernels():
     return _kernels
 
 
+class _LaunchAttribute(ctypes.Structure):  # cuda.h's CUlaunchAttribute: an id, then a 64-byte union at offset 8
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_int), ("value", ctypes.c_int), ("rest", ctypes.c_char * 60)]
+
+
+class _LaunchConfig(ctypes.Structure):  # cuda.h's CUlaunchConfig
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_mem", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
+
+
+@functools.cache
+def _libcuda():
+    lib = ctypes.CDLL("libcuda.so.1")  # the driver, loaded already by CuPy
+    lib.cuLaunchKernelEx.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    return lib
+
+
 def _tc_smem(bm):
     return 3 * (bm + 128) * 72 * 2  # STAGES * (BM + BN) rows * LD halves * 2 bytes
 
@@ -371,6 +389,40 @@ class CudaBackend:
         # split-K scratch, allocated once: a CUDA graph keeps pointers, so nothing it uses may move later
         self._counters = cp.zeros(4096, np.int32)  # split-K and split-context arrival counters (self-resetting)
         self._partial = cp.empty(SPLITK_SCRATCH, np.float32)  # split-K partial sums
+        self.pdl = True  # False captures CUDA graphs whose kernels each wait for the one before to finish
+        self._dependent = False  # launching into a graph capture with pdl on
+
+    # ---- launching ----------------------------------------------------------------------------
+    def launch(self, name, grid, block, args, shared_mem=0):
+        """Launch kernels.cu's kernel `name` on the current stream. Inside capture() with pdl on, as a
+        programmatic dependent launch: the kernel may start while the kernel before it is still running, loads
+        its weights, and waits for that kernel's outputs at griddepcontrol.wait (kernels.cu, wait_for_inputs).
+        CuPy cannot ask for that, so the driver's cuLaunchKernelEx is called through ctypes; eager steps keep
+        CuPy's launcher, which costs less host time per launch."""
+        kernel = self.k[name]
+        if not self._dependent:
+            return kernel(grid, block, args, shared_mem=shared_mem)
+        values = [ctypes.c_void_p(a.data.ptr) if isinstance(a, cp.ndarray) else  # as CuPy passes them:
+                  ctypes.create_string_buffer(a.tobytes(), a.nbytes) if isinstance(a, np.generic) else  # its bytes
+                  ctypes.c_int64(a) for a in args]  # a Python int (0: a null pointer) as a 64-bit integer
+        params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
+        attr = _LaunchAttribute(id=6, value=1)  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION: allowed
+        dims = [tuple(d) + (1,) * (3 - len(d)) for d in (grid, block)]
+        config = _LaunchConfig(dims[0], dims[1], shared_mem, cp.cuda.get_current_stream().ptr, ctypes.pointer(attr), 1)
+        err = _libcuda().cuLaunchKernelEx(ctypes.byref(config), ctypes.c_void_p(kernel.kernel.ptr), params, None)
+        if err:
+            raise RuntimeError(f"cuLaunchKernelEx({name}) failed with CUresult {err}")
+
+    def capture(self, stream, step):
+        """The kernels step() launches on `stream`, captured as a CUDA graph (with dependent launches if pdl)."""
+        stream.begin_capture()
+        self._dependent = self.pdl
+        try:
+            step()
+        finally:
+            self._dependent = False
+            graph = stream.end_capture()
+        return graph
 
     # ---- arrays -------------------------------------------------------------------------------
     def asarray(self, a, dtype=None):  # floating arrays take the backend's dtype, as in NumpyBackend
@@ -411,8 +463,8 @@ class CudaBackend:
         assert C % self.vec == 0, f"embed: C={C} must be a multiple of {self.vec}"
         out = self.empty((ids.shape[0], C))
         if ids.shape[0]:
-            self.k[f"embed<{self.t}>"]((ids.shape[0],), (128,), (self._ready(wte), self._ready(wpe), ids, pos, out,
-                                                                 np.int32(C)))
+            self.launch(f"embed<{self.t}>", (ids.shape[0],), (128,),
+                        (self._ready(wte), self._ready(wpe), ids, pos, out, np.int32(C)))
         return out
 
     def layernorm(self, x, w, b, eps):
@@ -421,8 +473,8 @@ class CudaBackend:
         assert C % self.vec == 0 and C <= 2048, f"layernorm: C={C} must be a multiple of {self.vec} and <= 2048"
         y = self.empty((T, C))
         if T:
-            self.k[f"layernorm<{self.t}>"]((_cdiv(T, 4),), (128,), (x, self._ready(w), self._ready(b), y, np.int32(T),
-                                                                    np.int32(C), np.float32(eps)))
+            self.launch(f"layernorm<{self.t}>", (_cdiv(T, 4),), (128,),
+                        (x, self._ready(w), self._ready(b), y, np.int32(T), np.int32(C), np.float32(eps)))
         return y
 
     def matmul(self, x, w, bias=None, gelu=False, residual=None, ln=None, out_dtype=None):
@@ -457,12 +509,12 @@ class CudaBackend:
         residual = 0 if residual is None else self._ready(residual)
         args = (x, w, bias, residual, y, np.int32(M), np.int32(N), np.int32(K), np.int32(bool(gelu)))
         if self.dtype == np.float32:
-            self.k["matmul_f32"]((_cdiv(N, 64), _cdiv(M, 64)), (256,), args)
+            self.launch("matmul_f32", (_cdiv(N, 64), _cdiv(M, 64)), (256,), args)
         elif gemv:
             ln_w, ln_b, eps = (0, 0, 0.0) if ln is None else (self._ready(ln[0]), self._ready(ln[1]), ln[2])
             blocks = min(_cdiv(N, 8), 2 * self.num_sms)  # one wave: each warp walks its rows of w
-            self.k[f"matmul_gemv<{1 if M == 1 else 8}>"]((blocks,), (256,), args + (np.int32(f32), ln_w, ln_b,
-                                                                                np.float32(eps)), shared_mem=M * K * 2)
+            self.launch(f"matmul_gemv<{1 if M == 1 else 8}>", (blocks,), (256,),
+                        args + (np.int32(f32), ln_w, ln_b, np.float32(eps)), shared_mem=M * K * 2)
         elif M <= 16 or (M <= SKINNY_MAX_M and _cdiv(N, 128) < self.num_sms):
             # decode: stream w (each block re-reads all of x, so for M > 16 only while the tiled
             # kernel would leave SMs idle; the 64 x 50257 lm_head goes to the tiles)
@@ -479,12 +531,12 @@ class CudaBackend:
                 splits = 1
             k_per_split = _cdiv(chunks, splits) * 64
             splits = _cdiv(K, k_per_split)
-            self.k[f"matmul_skinny<{mt}>"]((blocks_n, splits), (128,), args + (np.int32(f32), np.int32(k_per_split),
-                                                                               self._partial, self._counters))
+            self.launch(f"matmul_skinny<{mt}>", (blocks_n, splits), (128,),
+                        args + (np.int32(f32), np.int32(k_per_split), self._partial, self._counters))
         else:
             bm = 128 if M > 64 and _cdiv(M, 128) * _cdiv(N, 128) >= self.num_sms else 64
-            self.k[f"matmul_tc<{bm}>"]((_cdiv(N, 128), _cdiv(M, bm)), (256,), args + (np.int32(f32),),
-                                       shared_mem=_tc_smem(bm))
+            self.launch(f"matmul_tc<{bm}>", (_cdiv(N, 128), _cdiv(M, bm)), (256,), args + (np.int32(f32),),
+                        shared_mem=_tc_smem(bm))
         return y if out_dtype is None else y.astype(out_dtype, copy=False)
 
     def cache_write(self, k, v, k_cache, v_cache, slot_mapping):
@@ -492,8 +544,8 @@ class CudaBackend:
         T, H, D = k.shape
         slots = self._ready(slot_mapping, np.int32)
         if T:
-            self.k[f"cache_write<{self.t}>"]((T,), (128,), (k, v, np.int32(ks), np.int32(vs), k_cache, v_cache,
-                                                            slots, np.int32(H * D)))
+            self.launch(f"cache_write<{self.t}>", (T,), (128,),
+                        (k, v, np.int32(ks), np.int32(vs), k_cache, v_cache, slots, np.int32(H * D)))
 
     def to_device(self, batch):
         """The batch's arrays on the GPU, plus the attention launch plan, built with numpy (no
@@ -552,10 +604,10 @@ class CudaBackend:
         scale_log2 = np.float32(scale * math.log2(math.e))
         common = (batch.block_tables, np.int32(max_blocks), np.int32(block_size))
         if batch.n_tiles:
-            self.k["attention_prefill"]((batch.n_tiles, H), (128,),
-                                        (q, np.int32(qs), k_cache, v_cache) + common +
-                                        (batch.cu_seqlens_q, batch.context_lens, batch.tile_seq, batch.tile_q0,
-                                         np.int32(H), scale_log2, out))
+            self.launch("attention_prefill", (batch.n_tiles, H), (128,),
+                        (q, np.int32(qs), k_cache, v_cache) + common +
+                        (batch.cu_seqlens_q, batch.context_lens, batch.tile_seq, batch.tile_q0, np.int32(H),
+                         scale_log2, out))
         if batch.n_rows:
             # flash-decoding: split the context until there are ~4 blocks per SM, >= 32 keys per split, and at
             # most 32 splits (the merge holds their log-sum-exps in shared memory)
@@ -563,10 +615,10 @@ class CudaBackend:
             assert nsplit == 1 or batch.n_rows * H <= self._counters.size
             part_o = cp.empty(batch.n_rows * H * nsplit * 64 if nsplit > 1 else 0, np.float32)
             part_lse = cp.empty(batch.n_rows * H * nsplit if nsplit > 1 else 0, np.float32)
-            self.k[f"attention_rows<{self.t}>"]((batch.n_rows, H, nsplit), (128,),
-                                               (q, np.int32(qs)) + new_kv + (k_cache, v_cache) + common +
-                                               (batch.row_q, batch.row_seq, batch.row_len, np.int32(H), scale_log2,
-                                                out, part_o, part_lse, self._counters))
+            self.launch(f"attention_rows<{self.t}>", (batch.n_rows, H, nsplit), (128,),
+                        (q, np.int32(qs)) + new_kv + (k_cache, v_cache) + common +
+                        (batch.row_q, batch.row_seq, batch.row_len, np.int32(H), scale_log2, out, part_o, part_lse,
+                         self._counters))
         return out
 
     def sample_device(self, logits, temperature, top_k, top_p, seed, step):
@@ -576,10 +628,10 @@ class CudaBackend:
         tokens = self.empty((R,), np.int32)
         if R:
             cache = V * 4 <= SAMPLE_SMEM
-            self.k["sample_tokens"]((R,), (1024,), (logits, np.int32(V), self._ready(temperature, np.float32),
-                                                    self._ready(top_k, np.int32), self._ready(top_p, np.float32),
-                                                    self._ready(seed, np.uint64), self._ready(step, np.int32), tokens,
-                                                    np.int32(cache)), shared_mem=V * 4 if cache else 0)
+            self.launch("sample_tokens", (R,), (1024,),
+                        (logits, np.int32(V), self._ready(temperature, np.float32), self._ready(top_k, np.int32),
+                         self._ready(top_p, np.float32), self._ready(seed, np.uint64), self._ready(step, np.int32),
+                         tokens, np.int32(cache)), shared_mem=V * 4 if cache else 0)
         return tokens
 
     def sample(self, logits, temperature, top_k, top_p, seed, step):
@@ -671,9 +723,7 @@ class DecodeGraph:
             with self.stream:
                 self._step(model, kv)  # warm-up: the first launches and allocations stay out of the capture
                 self.stream.synchronize()
-                self.stream.begin_capture()
-                self._step(model, kv)
-                self.graph = self.stream.end_capture()
+                self.graph = be.capture(self.stream, lambda: self._step(model, kv))
         self.graph.upload(self.stream)
 
     def _step(self, model, kv):
@@ -681,11 +731,10 @@ class DecodeGraph:
         logits = model.forward_on_device(b, kv)
         tokens = be.sample_device(logits, d["temperature"].view(np.float32), d["top_k"], d["top_p"].view(np.float32),
                                   d["seed"].view(np.uint64), d["step"])
-        be.k["decode_advance"]((1,), (self.B,), (tokens, d["input_ids"], d["positions"], d["context_lens"],
-                                                d["slot_mapping"], d["step"], d["remaining"], d["block_tables"],
-                                                np.int32(b.block_tables.shape[1]), np.int32(kv.block_size),
-                                                self.history, np.int32(len(self.history)), d["substep"],
-                                                np.int32(self.B)))
+        be.launch("decode_advance", (1,), (self.B,),
+                  (tokens, d["input_ids"], d["positions"], d["context_lens"], d["slot_mapping"], d["step"],
+                   d["remaining"], d["block_tables"], np.int32(b.block_tables.shape[1]), np.int32(kv.block_size),
+                   self.history, np.int32(len(self.history)), d["substep"], np.int32(self.B)))
 
     def start(self, input_ids, temperature, top_k, top_p, seed, **rows):
         """Load a decode batch of n <= B sequences: each one's last token and sampling parameters, and the

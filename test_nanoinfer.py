@@ -1132,6 +1132,27 @@ def test_cuda_graphs_change_no_token(tiny):
 
 
 @NO_GPU
+@pytest.mark.parametrize("which", ["tiny", "wide"])
+def test_dependent_launches_change_no_token(which, request):
+    """Graph steps whose kernels may start before the kernel before them has finished (programmatic dependent
+    launch: each reads its inputs only after griddepcontrol.wait, and never through the non-coherent cache) give
+    exactly the tokens of graphs whose kernels wait for each other: fp16, one stream and then 20 at once (the
+    gemv and the skinny matmuls), so the kernels and their plans are the same either way and
+    an input read too early, or stale, shows as a different token."""
+    rng = np.random.default_rng(2)
+    batch = [rng.integers(0, 50256, n).tolist() for n in rng.integers(1, 40, 20)]
+    tokens = {}
+    for pdl in (False, True):
+        llm = LLM(str(request.getfixturevalue(which).path), device="cuda", dtype="float16", num_kv_tokens=4096)
+        llm.backend.pdl = pdl
+        outs = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)) + \
+            llm.generate(batch, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+        assert {1, 32} <= set(llm._graphs), f"graphs captured: {sorted(llm._graphs)}"
+        tokens[pdl] = [o.token_ids for o in outs]
+    assert tokens[True] == tokens[False]
+
+
+@NO_GPU
 def test_multi_step_decoding_changes_no_token(tiny):
     """Graph runs of several decode steps (each sampled token fed back on the GPU by decode_advance, a row that
     reaches its max_tokens turning into padding), and runs launched while the host still reads the run before,
