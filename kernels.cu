@@ -713,21 +713,33 @@ __global__ void __launch_bounds__(128) attention_rows(
     const int* slot_mapping, T* k_cache, T* v_cache,
     const int* block_tables, int max_blocks, int block_size, const int* row_q, const int* row_seq,
     const int* row_len, int H, float scale_log2, T* out, float* part_o, float* part_lse, int* counters) {
-    wait_for_inputs();
     constexpr int D = 64, VEC = 16 / sizeof(T), LPK = D / VEC, KPW = 32 / LPK;  // lanes per key, keys per warp
     const int r = blockIdx.x, h = blockIdx.y, split = blockIdx.z;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, grp = lane / LPK, sub = lane % LPK;
+    // Before wait_for_inputs: only the qkv matmul just before writes q and this step's K and V; the row plan,
+    // the block tables and the cache up to each row's previous key come from kernels finished before it.
     // at least 32 keys per split: a short row (or a CUDA graph planned for the longest context) uses fewer
     const int qr = row_q[r], len = row_len[r], nsplit = min((int)gridDim.z, (len + 31) / 32);
     if (split >= nsplit) return;
     const int chunk = (len + nsplit - 1) / nsplit, k_begin = split * chunk, k_end = min(len, k_begin + chunk);
+    const int* table = block_tables + (long)row_seq[r] * max_blocks;
+    auto slot_off = [&](int j) { return (((long)table[j / block_size] * block_size + j % block_size) * H + h) * D; };
+    uint4 k_pre[2], v_pre[2];  // each key group's first two keys, on their way while the qkv matmul finishes
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        const int j = k_begin + warp * KPW + grp + i * 4 * KPW;
+        if (j < min(k_end, len - 1)) {
+            k_pre[i] = load16(k_cache + slot_off(j) + sub * VEC);
+            v_pre[i] = load16(v_cache + slot_off(j) + sub * VEC);
+        }
+    }
+    wait_for_inputs();
     const long new_off = (long)qr * kv_stride + h * D;  // this row's own K and V in k_new / v_new
     if (k_new && split == nsplit - 1 && threadIdx.x < LPK && slot_mapping[qr] >= 0) {
         const long dst = ((long)slot_mapping[qr] * H + h) * D + threadIdx.x * VEC;
         store16(k_cache + dst, load16(k_new + new_off + threadIdx.x * VEC));
         store16(v_cache + dst, load16(v_new + new_off + threadIdx.x * VEC));
     }
-    const int* table = block_tables + (long)row_seq[r] * max_blocks;
 
     float qv[VEC], o[VEC], m = NEG_INF, l = 0.f;
     uint4 qraw = load16(q + (long)qr * q_stride + h * D + sub * VEC);
@@ -735,20 +747,21 @@ __global__ void __launch_bounds__(128) attention_rows(
     for (int i = 0; i < VEC; i++) { qv[i] = to_float(reinterpret_cast<const T*>(&qraw)[i]) * scale_log2; o[i] = 0.f; }
 
 #pragma unroll 2  // the second key's loads go out before the first key's arithmetic
-    for (int base = k_begin + warp * KPW; base < k_end; base += 4 * KPW) {  // same trip count for the warp
+    for (int it = 0, base = k_begin + warp * KPW; base < k_end; it++, base += 4 * KPW) {  // same trip count for the warp
         const int j = base + grp;
         const bool ok = j < k_end;
         float s = 0.f;
-        uint4 vraw = make_uint4(0, 0, 0, 0);
-        if (ok) {
+        uint4 kraw = it == 0 ? k_pre[0] : k_pre[1], vraw = it == 0 ? v_pre[0] : v_pre[1];
+        if (ok && (it >= 2 || j == len - 1)) {  // not loaded before the wait
             const T *kp = k_new + new_off + sub * VEC, *vp = v_new + new_off + sub * VEC;
             if (!k_new || j != len - 1) {
-                long off = (((long)table[j / block_size] * block_size + j % block_size) * H + h) * D + sub * VEC;
-                kp = k_cache + off;
-                vp = v_cache + off;
+                kp = k_cache + slot_off(j) + sub * VEC;
+                vp = v_cache + slot_off(j) + sub * VEC;
             }
-            uint4 kraw = load16(kp);
+            kraw = load16(kp);
             vraw = load16(vp);
+        }
+        if (ok) {
 #pragma unroll
             for (int i = 0; i < VEC; i++) s += qv[i] * to_float(reinterpret_cast<const T*>(&kraw)[i]);
         }
@@ -854,6 +867,7 @@ extern "C" __global__ void __launch_bounds__(1024, 1) sample_tokens(
     // max and its first index (greedy's answer, and the softmax shift)
     float bv = NEG_INF;
     int bi = V;
+#pragma unroll 16  // 16 loads in flight per thread: the row is read in ~3 round trips, not ~12
     for (int i = tid; i < V; i += nt)
         if (x[i] > bv) { bv = x[i]; bi = i; }
     for (int off = 16; off > 0; off >>= 1) {
