@@ -196,28 +196,30 @@ __global__ void __launch_bounds__(256) matmul_tc(const half* x, const half* __re
 // matmul_gemv: y = epilogue(ln(x) @ w.T) for decode at M <= MR <= 8 rows of x (single stream, small
 // batches), with the layernorm in front of the matmul optionally fused into its prologue.
 // Memory-bound: 2*M*N*K FLOPs over N*K*2 bytes of weights, read once, so the kernel's job is to keep
-// enough weight bytes in flight. One warp takes one row of w at a time; a "round" is 8 16-byte loads
-// per lane (2048 of K), and each warp always has its next round on the way while it does the dot
+// enough weight bytes in flight. One warp takes one row of w at a time; a "round" is R 16-byte loads
+// per lane (256 * R of K), and each warp always has its next round on the way while it does the dot
 // products of the current one (two register buffers), moving on to its next row, gridDim.x * 8 rows
-// further, without stopping. The grid is one wave (2 blocks per SM), so the prologue runs once per
+// further, without stopping. The grid is one wave of 2 blocks per SM. R = 8 keeps the most bytes in
+// flight; R = 4 needs only 64 registers, so 4 blocks fit an SM, and with dependent launches the next
+// kernel's blocks sit beside this one's and load their weights while it finishes (single stream, where a
+// whole GPT-2 matrix is in flight in the first two rounds either way). The prologue runs once per
 // block: while the first rounds fly, the block copies the M rows of x into shared memory, normalising
 // them on the way when ln_w is given (each thread takes one 16-byte chunk of each row, the statistics
 // are two block-wide sums), so the layernorm costs one L2 read of x per block instead of a kernel of
 // its own. Each lane keeps fp32 sums; at the end of a row the warp adds them up with shuffles and lane
 // m finishes row m. At GPT-2's small matrices (1-3 us) this is about one HBM round trip plus launch.
-template <int MR>
-__global__ void __launch_bounds__(256, 2) matmul_gemv(const half* x, const half* __restrict__ w,
+template <int MR, int R>
+__global__ void __launch_bounds__(256, R == 4 ? 4 : 2) matmul_gemv(const half* x, const half* __restrict__ w,
                                                    const half* __restrict__ bias, const half* residual,
                                                    void* __restrict__ y, int M, int N, int K, int gelu, int y_f32,
                                                    const half* __restrict__ ln_w, const half* __restrict__ ln_b,
                                                    float eps) {
-    constexpr int R = 8;  // 16-byte loads of w per lane per round: 32 lanes * 8 halves * 8 = 2048 of K
     extern __shared__ __align__(16) unsigned char smem[];
     half* xs = reinterpret_cast<half*>(smem);  // (M, K): the rows of x, normalised when ln_w is given
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int rounds = (K + R * 256 - 1) / (R * 256), first = blockIdx.x * 8 + warp, stride = gridDim.x * 8;
     const int Q = first < N ? (N - first + stride - 1) / stride * rounds : 0;  // rounds of this warp
-    auto load = [&](uint4 (&buf)[R], int q) {  // round q: row first + (q / rounds) * stride, k from 2048 * (q % rounds)
+    auto load = [&](uint4 (&buf)[R], int q) {  // round q: row first + (q / rounds) * stride, k from 256 R (q % rounds)
         if (q >= Q) return;
         const half* row = w + (long)(first + q / rounds * stride) * K;
 #pragma unroll
@@ -996,9 +998,9 @@ extern "C" __global__ void decode_advance(const int* tokens, int* input_ids, int
 #ifndef __CUDACC_RTC__
 template __global__ void matmul_tc<128>(const half*, const half*, const half*, const half*, void*, int, int, int, int, int);
 template __global__ void matmul_tc<64>(const half*, const half*, const half*, const half*, void*, int, int, int, int, int);
-#define GEMV(MR) template __global__ void matmul_gemv<MR>(const half*, const half*, const half*, const half*, void*, \
-                                                          int, int, int, int, int, const half*, const half*, float);
-GEMV(1) GEMV(8)
+#define GEMV(MR, R) template __global__ void matmul_gemv<MR, R>(const half*, const half*, const half*, const half*, \
+                                                                void*, int, int, int, int, int, const half*, const half*, float);
+GEMV(1, 4) GEMV(1, 8) GEMV(8, 8)
 #define SKINNY(MT) template __global__ void matmul_skinny<MT>(const half*, const half*, const half*, const half*, \
                                                             void*, int, int, int, int, int, int, float*, int*);
 SKINNY(1) SKINNY(2) SKINNY(4) SKINNY(8)

@@ -307,12 +307,13 @@ def make_backend(device, dtype):
 
 cp = None  # cupy, imported when a CudaBackend is made
 KERNELS_CU = Path(__file__).with_name("kernels.cu")
-TEMPLATES = (["matmul_tc<128>", "matmul_tc<64>", "matmul_gemv<1>", "matmul_gemv<8>"] +
+TEMPLATES = (["matmul_tc<128>", "matmul_tc<64>", "matmul_gemv<1,4>", "matmul_gemv<1,8>", "matmul_gemv<8,8>"] +
              [f"matmul_skinny<{mt}>" for mt in (1, 2, 4, 8)] +
              [f"{k}<{t}>" for t in ("float", "half") for k in ("layernorm", "embed", "cache_write", "attention_rows")])
 PLAIN = ["matmul_f32", "attention_prefill", "sample_tokens", "decode_advance"]
 SPLITK_SCRATCH = 1 << 22  # floats of split-K partial sums (16 MB), enough for every GPT-2 decode shape
 GEMV_MAX_M = 8        # single-stream and small-batch decode: one warp per weight row (matmul_gemv)
+GEMV_LIGHT = 8 << 20  # single-stream matrices up to this many bytes take matmul_gemv<1,4> (4 blocks per SM)
 GEMV_SMEM = 224 * 1024  # matmul_gemv keeps the M rows of x in shared memory: M * K * 2 bytes at most
 SKINNY_MAX_M = 64     # larger decode batches stream the weights through the tensor cores (matmul_skinny)
 PREFILL_MIN_Q = 16    # fp16 sequences with this many queries in a step use the tensor-core attention
@@ -336,7 +337,7 @@ def compile_kernels():
                                "\n\nfull compiler log:\n" + log.replace("kern.cu(", "kernels.cu(")) from None
         for name in ("matmul_tc<128>", "matmul_tc<64>"):  # 3-stage pipeline needs > 48 KB of shared memory
             kernels[name].max_dynamic_shared_size_bytes = _tc_smem(int(name[10:-1]))
-        for name in ("matmul_gemv<1>", "matmul_gemv<8>"):
+        for name in ("matmul_gemv<1,4>", "matmul_gemv<1,8>", "matmul_gemv<8,8>"):
             kernels[name].max_dynamic_shared_size_bytes = GEMV_SMEM
         kernels["sample_tokens"].max_dynamic_shared_size_bytes = SAMPLE_SMEM  # p of a whole row
         _kernels = kernels
@@ -513,7 +514,8 @@ class CudaBackend:
         elif gemv:
             ln_w, ln_b, eps = (0, 0, 0.0) if ln is None else (self._ready(ln[0]), self._ready(ln[1]), ln[2])
             blocks = min(_cdiv(N, 8), 2 * self.num_sms)  # one wave: each warp walks its rows of w
-            self.launch(f"matmul_gemv<{1 if M == 1 else 8}>", (blocks,), (256,),
+            light = M == 1 and N * K * 2 <= GEMV_LIGHT  # 4 loads per lane per round leave room for the next kernel
+            self.launch(f"matmul_gemv<{1 if M == 1 else 8},{4 if light else 8}>", (blocks,), (256,),
                         args + (np.int32(f32), ln_w, ln_b, np.float32(eps)), shared_mem=M * K * 2)
         elif M <= 16 or (M <= SKINNY_MAX_M and _cdiv(N, 128) < self.num_sms):
             # decode: stream w (each block re-reads all of x, so for M > 16 only while the tiled
