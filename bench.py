@@ -8,10 +8,10 @@ On the GPU: the two ceilings (device copy bandwidth, cuBLAS fp16), a roofline ta
 decode step (batch 1 and 64) and of a 2048-token prefill, the kernel targets (prefill matmuls against
 cuBLAS at the same shape, memory-bound kernels on data larger than L2 against the copy ceiling), the
 end-to-end workloads beside a plain PyTorch decode step captured in a CUDA graph (the anchor), and one
-number per lesson: CUDA graphs on/off, multi-step decoding on/off, fusion on/off, the batch sweep,
-continuous against static batching, paged against reserved KV memory, and time to first token against
-total time. --model takes a GPT-2 name, a directory, or random:SIZE (random
-weights at the real shapes of gpt2 .. gpt2-xl: speed does not depend on the values).
+number per lesson: CUDA graphs on/off, multi-step decoding on/off, fusion on/off, dependent launches on/off,
+the batch sweep, continuous against static batching, paged against reserved KV memory, and time to first
+token against total time. --model takes a GPT-2 name, a directory, or random:SIZE (random weights at the
+real shapes of gpt2 .. gpt2-xl: speed does not depend on the values).
 """
 import argparse
 import gc
