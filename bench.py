@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from nanoinfer import GEMV_MAX_M, LLM, LOOKAHEAD, Batch, GPTConfig, SamplingParams, expected_shapes
+from nanoinfer import LLM, LOOKAHEAD, Batch, GPTConfig, SamplingParams, expected_shapes
 from paged_kv import PagedKVCache
 
 SIZES = {"gpt2": (12, 12, 768), "gpt2-medium": (24, 16, 1024), "gpt2-large": (36, 20, 1280), "gpt2-xl": (48, 25, 1600)}
@@ -226,7 +226,7 @@ class Roofline:
         ids = [cp.asarray(np.random.randint(0, 1024, T).astype(np.int32)) for _ in range(64)]
         self.record(work, "embed", f"{T}x{C}", self.time_graph(
             lambda i: be.embed(wte, wpe, ids[i], ids[i]), 64), 3 * T * C * 2, T * C)
-        if T > GEMV_MAX_M:  # prefill: layernorm is a kernel of its own (decode fuses it into the matmul)
+        if T > 1:  # layernorm is a kernel of its own (single-stream decode fuses it into the matmul)
             n = self.n_rot(2 * T * C * 2, cap=256)
             xs, w = [self.randn(T, C) for _ in range(n)], self.randn(C)
             self.record(work, "layernorm", f"{T}x{C}", self.time_graph(lambda i: be.layernorm(xs[i], w, w, 1e-5), n),
