@@ -50,6 +50,22 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
+// Split-K (and split-context attention): the blocks of a group each leave a partial result in global memory and
+// count themselves in; the last to arrive (a counter per group, reset here for the next launch) merges them.
+// Every thread of the block calls it.
+__device__ __forceinline__ bool last_to_arrive(int* counter, int blocks) {
+    __shared__ int last;
+    __threadfence();  // this block's partial result is visible before its arrival is counted
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        last = atomicAdd(counter, 1) == blocks - 1;
+        if (last) *counter = 0;
+    }
+    __syncthreads();
+    if (last) __threadfence();  // ... and the other blocks' are visible to the last one
+    return last;
+}
+
 __device__ __forceinline__ float gelu_tanh(float x) {
     return 0.5f * x * (1.f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x)));
 }
@@ -107,89 +123,180 @@ __device__ __forceinline__ unsigned pack_half2(float lo, float hi) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// matmul_tc: y (M,N) = epilogue(x (M,K) @ w (N,K)^T), fp16 in and out, fp32 accumulation.
-// Compute-bound at prefill sizes: 2*M*N*K FLOPs over (M*K + N*K + M*N) * 2 bytes. A block of 8 warps
-// owns a BM x 128 tile of y (warps 2 x 4, each BM/2 x 32); K goes by 64 through a 3-stage cp.async
-// pipeline, so two tiles are in flight while the tensor cores chew on the third. Shared rows are
-// padded to 72 halves (144 bytes): the 8 rows an ldmatrix phase reads fall in 8 different bank groups.
-// Edges: rows past M or N and 16-byte chunks past K are zero-filled by cp.async, so K only has to be
-// a multiple of 8. Bias, GELU and the residual add happen on the fp32 accumulators.
-template <int BM>
-__global__ void __launch_bounds__(256) matmul_tc(const half* x, const half* __restrict__ w,
-                                                 const half* __restrict__ bias, const half* residual,
-                                                 void* __restrict__ y, int M, int N, int K, int gelu, int y_f32) {
-    wait_for_inputs();
-    constexpr int BN = 128, BK = 64, LD = BK + 8, STAGES = 3, WM = BM / 2, MI = WM / 16;
-    extern __shared__ __align__(16) unsigned char smem[];
-    half* As = reinterpret_cast<half*>(smem);  // [STAGES][BM][LD]
-    half* Bs = As + STAGES * BM * LD;          // [STAGES][BN][LD]
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wm = warp >> 2, wn = warp & 3;
-    const int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN, ktiles = (K + BK - 1) / BK;
+// Hopper's warpgroup tensor-core instruction (wgmma, sm_90a): the 128 threads of a warpgroup multiply a 64 x 16
+// tile of A by a 16 x 128 tile of B, both read straight from shared memory, into 64 x 128 fp32 accumulators
+// held 64 per thread. It is asynchronous: issue, commit, and wait for it before touching the accumulators.
+// Shared memory is described to it by a 64-bit descriptor. Our tiles are "K-major with the 128-byte
+// swizzle": each row holds 64 halves of K (128 bytes), rows come in groups of 8 (1024 bytes, the stride
+// between groups), and the 16-byte chunk c of row r sits at chunk c ^ (r % 8), so the 8 rows of a group
+// spread their chunks over all the banks. The hardware applies the same XOR to the address bits, which is
+// why a tile must start 1024-byte aligned, and why stepping along K inside the 128 bytes is just adding
+// 32 bytes (16 halves) to the start address. CI's nvcc builds plain sm_90, where the instruction does not
+// exist: that build traps instead (nanoinfer compiles for sm_90a).
+__device__ __forceinline__ unsigned long long smem_desc(unsigned addr) {
+    return ((addr & 0x3FFFF) >> 4) | (1ull << 16) | ((1024ull >> 4) << 32) | (1ull << 62);  // 62: 128-byte swizzle
+}
+__device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], unsigned long long a, unsigned long long b) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile("{ .reg .pred p; setp.ne.b32 p, 1, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {"
+                 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+                 "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+                 "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+                 "}, %64, %65, p, 1, 1, 0, 0; }"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+                   "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+                   "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+                   "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+                   "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+                   "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+                   "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+                 : "l"(a), "l"(b));
+#else
+    __trap();
+#endif
+}
+__device__ __forceinline__ void wgmma_fence() {  // accumulators written by ordinary instructions: wgmma may use them
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wgmma_commit_and_wait() {  // all wgmma issued so far are done, accumulators final
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------
+// matmul_tc: y (M,N) = epilogue(x (M,K) @ w (N,K)^T), fp16 in and out, fp32 accumulation, on wgmma.
+// Compute-bound at prefill sizes: 2*M*N*K FLOPs over (M*K + N*K + M*N) * 2 bytes. A block of BM/64
+// warpgroups owns a BM x 128 tile of y (each warpgroup 64 x 128); K goes by 64 through a 3-stage cp.async
+// pipeline in the swizzled layout above, so two tiles are in flight while the tensor cores chew on the
+// third. Three stages rather than four let two blocks share an SM, so one computes while the other waits
+// (H200: 8192x3072x768 at 63 % of cuBLAS against 42 %). Each thread copies one 16-byte column chunk of every
+// (threads/8)-th row: after the swizzle that chunk lands at the same column of each of its rows, so a
+// tile's copies are a constant stride apart and cost a few instructions each (the mma.sync kernel this
+// replaced spent most of its issue slots on addresses and reached 19-34 % of cuBLAS). Rows past M or N and
+// chunks past K are zero-filled, so K only has to be a multiple of 8. Decode batches of 65-512 rows make
+// too few tiles to fill the SMs, so K is split across blockIdx.z as in matmul_skinny below. Bias, GELU and
+// the residual add happen on the fp32 accumulators.
+template <int BM, int STAGES>
+__global__ void __launch_bounds__(BM * 2, 256 / BM) matmul_tc(const half* x, const half* __restrict__ w,
+                                                    const half* __restrict__ bias, const half* residual,
+                                                    void* __restrict__ y, int M, int N, int K, int gelu, int y_f32,
+                                                    int k_per_split, float* partial, int* counters) {
+    constexpr int BN = 128, BK = 64, THREADS = BM * 2, RSTEP = THREADS / 8;
+    constexpr int A_BYTES = BM * BK * 2, STAGE_BYTES = (BM + BN) * BK * 2;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    const unsigned smem = (smem_addr(smem_raw) + 1023) & ~1023u;  // [STAGES][BM + BN rows][128 bytes]
+    const int tid = threadIdx.x, m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
+    const int kt0 = blockIdx.z * k_per_split / BK, ktiles = (min(K, (blockIdx.z + 1) * k_per_split) + BK - 1) / BK - kt0;
+    const int col = tid & 7, r0 = tid >> 3;  // this thread's chunk of K, and its first row
+    const unsigned dst = ((r0 * 8 + (col ^ (r0 & 7))) << 4);  // RSTEP is a multiple of 8: same swizzle every row
 
     auto load_tile = [&](int stage, int kt) {
-        for (int c = tid; c < (BM + BN) * 8; c += 256) {  // 8 chunks of 8 halves per 64-wide row
-            bool is_a = c < BM * 8;
-            int r = (is_a ? c : c - BM * 8) >> 3, col = (c & 7) * 8, k = kt * BK + col;
-            int row = (is_a ? m0 : n0) + r, rows = is_a ? M : N;
-            const half* src = is_a ? x : w;
-            bool ok = row < rows && k < K;
-            half* dst = is_a ? As + (stage * BM + r) * LD + col : Bs + (stage * BN + r) * LD + col;
-            cp_async16(smem_addr(dst), ok ? src + (long)row * K + k : src, ok);
+        const int k = (kt0 + kt) * BK + col * 8;
+        const unsigned base = smem + stage * STAGE_BYTES + dst;
+#pragma unroll
+        for (int i = 0; i < BM / RSTEP; i++) {
+            int row = m0 + r0 + i * RSTEP;
+            bool ok = row < M && k < K;
+            cp_async16(base + i * RSTEP * 128, x + (ok ? (long)row * K + k : 0), ok);
+        }
+#pragma unroll
+        for (int i = 0; i < BN / RSTEP; i++) {
+            int row = n0 + r0 + i * RSTEP;
+            bool ok = row < N && k < K;
+            cp_async16(base + A_BYTES + i * RSTEP * 128, w + (ok ? (long)row * K + k : 0), ok);
         }
     };
 
-    float acc[MI][4][4] = {};
+    wait_for_inputs();
     for (int s = 0; s < STAGES - 1; s++) {
         if (s < ktiles) load_tile(s, s);
         cp_async_commit();
     }
+    const int wg = tid / 128;
+    float acc[64];  // y[m][n] for m = 16 * warp + lane / 4 (+8), n = 8 j + 2 (lane % 4) (+1): acc[4 j + ...]
+#pragma unroll
+    for (int i = 0; i < 64; i++) acc[i] = 0.f;
     for (int kt = 0; kt < ktiles; kt++) {
         cp_async_wait<STAGES - 2>();
-        __syncthreads();  // tile kt has landed, and everyone is done reading the stage we refill next
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // cp.async's writes, visible to wgmma's reads
+        __syncthreads();  // tile kt has landed, and the stage refilled next was read by the wgmmas already waited on
         if (kt + STAGES - 1 < ktiles) load_tile((kt + STAGES - 1) % STAGES, kt + STAGES - 1);
         cp_async_commit();
-        const half* a_s = As + (kt % STAGES) * BM * LD;
-        const half* b_s = Bs + (kt % STAGES) * BN * LD;
+        const unsigned a = smem + (kt % STAGES) * STAGE_BYTES + wg * 64 * 128, b = smem + (kt % STAGES) * STAGE_BYTES + A_BYTES;
+        wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < BK; kk += 16) {
-            unsigned a[MI][4], b[4][2];
-#pragma unroll
-            for (int i = 0; i < MI; i++)
-                ldmatrix_x4(a[i], smem_addr(a_s + (wm * WM + i * 16 + (lane & 15)) * LD + kk + (lane >> 4) * 8));
-#pragma unroll
-            for (int j = 0; j < 2; j++) {  // one x4 = two n8 tiles x k16 of w
-                unsigned r[4];
-                int row = wn * 32 + j * 16 + (lane & 7) + ((lane >> 4) << 3);
-                ldmatrix_x4(r, smem_addr(b_s + row * LD + kk + ((lane >> 3) & 1) * 8));
-                b[2 * j][0] = r[0]; b[2 * j][1] = r[1]; b[2 * j + 1][0] = r[2]; b[2 * j + 1][1] = r[3];
-            }
-#pragma unroll
-            for (int i = 0; i < MI; i++)
-#pragma unroll
-                for (int j = 0; j < 4; j++) mma16816(acc[i][j], a[i], b[j]);
-        }
+        for (int kk = 0; kk < BK; kk += 16) wgmma_m64n128k16(acc, smem_desc(a + kk * 2), smem_desc(b + kk * 2));
+        wgmma_commit_and_wait();
     }
 
-    const int g = lane >> 2, t = lane & 3;
+
+    // The tile of y goes through shared memory (the stages are free now); each thread then walks 16-byte runs
+    // along its rows, so global stores and split-K's partial sums are coalesced, and the epilogue is a loop
+    // rather than 64 unrolled copies: unrolled, this kernel was 85 KB of instructions, which every SM
+    // fetched at every launch (a floor of about 9 us per launch at decode shapes on the H200).
+    constexpr int TLD = BN + 8, RUNS = BM * BN / 4 / THREADS;  // row pitch (floats): the float2 writes miss no bank
+    cp_async_wait<0>();
+    __syncthreads();
+    float* tile = reinterpret_cast<float*>(smem_raw + (smem - smem_addr(smem_raw)));  // (BM, TLD) fp32
+    const int lane = tid & 31, rw = wg * 64 + (tid & 127) / 32 * 16 + (lane >> 2), cw = 2 * (lane & 3);
 #pragma unroll
-    for (int i = 0; i < MI; i++)
+    for (int i = 0; i < 64; i += 2)  // acc[4 j + 2 hf + e] is the tile's (rw + 8 hf, 8 j + cw + e)
+        *reinterpret_cast<float2*>(&tile[(rw + (i & 2) * 4) * TLD + (i >> 2) * 8 + cw]) = make_float2(acc[i], acc[i + 1]);
+    __syncthreads();
+    auto run = [&](int u, int& r, int& c) { int q = tid + u * THREADS; r = q / (BN / 4); c = q % (BN / 4) * 4; };
+    if (gridDim.z > 1) {  // split-K (N % 4 == 0): leave this split's sums, and the last block adds all up
 #pragma unroll
-        for (int j = 0; j < 4; j++)
+        for (int u = 0; u < RUNS; u++) {
+            int r, c;
+            run(u, r, c);
+            if (m0 + r < M && n0 + c < N)
+                *reinterpret_cast<float4*>(&partial[((long)blockIdx.z * M + m0 + r) * N + n0 + c]) =
+                    *reinterpret_cast<const float4*>(&tile[r * TLD + c]);
+        }
+        if (!last_to_arrive(&counters[blockIdx.y * gridDim.x + blockIdx.x], gridDim.z)) return;
+        for (int sp = 0; sp < (int)gridDim.z; sp++) {
+            if (sp == blockIdx.z) continue;
+            float4 v[RUNS];  // a split's loads all in flight at once
 #pragma unroll
-            for (int hf = 0; hf < 2; hf++) {
-                int row = m0 + wm * WM + i * 16 + g + hf * 8, col = n0 + wn * 32 + j * 8 + 2 * t;
-                if (row >= M) continue;
-                float v0 = epilogue(acc[i][j][2 * hf], bias, residual, gelu, row, col, N);
-                if (col + 1 < N && (N & 1) == 0 && !y_f32) {  // one 4-byte store for the pair
-                    float v1 = epilogue(acc[i][j][2 * hf + 1], bias, residual, gelu, row, col + 1, N);
-                    *reinterpret_cast<half2*>(reinterpret_cast<half*>(y) + (long)row * N + col) = __floats2half2_rn(v0, v1);
-                } else {
-                    if (col < N) store_y(y, (long)row * N + col, v0, y_f32);
-                    if (col + 1 < N)
-                        store_y(y, (long)row * N + col + 1,
-                                epilogue(acc[i][j][2 * hf + 1], bias, residual, gelu, row, col + 1, N), y_f32);
-                }
+            for (int u = 0; u < RUNS; u++) {
+                int r, c;
+                run(u, r, c);
+                bool ok = m0 + r < M && n0 + c < N;
+                v[u] = ok ? __ldcg(reinterpret_cast<const float4*>(&partial[((long)sp * M + m0 + r) * N + n0 + c]))
+                          : make_float4(0.f, 0.f, 0.f, 0.f);
             }
+#pragma unroll
+            for (int u = 0; u < RUNS; u++) {  // each thread adds to its own runs only: no barrier needed
+                int r, c;
+                run(u, r, c);
+                float4* s = reinterpret_cast<float4*>(&tile[r * TLD + c]);
+                *s = make_float4(s->x + v[u].x, s->y + v[u].y, s->z + v[u].z, s->w + v[u].w);
+            }
+        }
+    }
+#pragma unroll 1
+    for (int u = 0; u < RUNS; u++) {
+        int r, c;
+        run(u, r, c);
+        const int row = m0 + r, col = n0 + c;
+        if (row >= M || col >= N) continue;
+        float v[4];
+#pragma unroll
+        for (int e = 0; e < 4; e++) v[e] = col + e < N ? epilogue(tile[r * TLD + c + e], bias, residual, gelu, row, col + e, N) : 0.f;
+        if (!y_f32 && N % 4 == 0) {  // 4 halves, one 8-byte store
+            half2 h[2] = {__floats2half2_rn(v[0], v[1]), __floats2half2_rn(v[2], v[3])};
+            *reinterpret_cast<uint2*>(reinterpret_cast<half*>(y) + (long)row * N + col) = *reinterpret_cast<uint2*>(h);
+        } else {
+            for (int e = 0; e < 4 && col + e < N; e++) store_y(y, (long)row * N + col + e, v[e], y_f32);
+        }
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -404,27 +511,18 @@ __global__ void __launch_bounds__(128) matmul_skinny(const half* x, const half* 
 #pragma unroll
     for (int i = 0; i < MT * 4; i++) red[warp][i][lane] = acc[i / 4][i % 4];
     __syncthreads();
-    if (warp != 0) return;
+    // warp 0 finishes: acc[mt][e] is y[m = mt*8 + 2t + (e&1)][n = n0 + g + 8*(e>>1)]
 #pragma unroll
     for (int i = 0; i < MT * 4; i++) acc[i / 4][i % 4] = red[0][i][lane] + red[1][i][lane] + red[2][i][lane] + red[3][i][lane];
-    // acc[mt][e] is y[m = mt*8 + 2t + (e&1)][n = n0 + g + 8*(e>>1)]
     if (gridDim.y > 1) {
 #pragma unroll
         for (int mt = 0; mt < MT; mt++)
 #pragma unroll
             for (int e = 0; e < 4; e++) {
                 int m = mt * 8 + 2 * t + (e & 1), n = n0 + g + 8 * (e >> 1);
-                if (m < M && n < N) partial[((long)blockIdx.y * M + m) * N + n] = acc[mt][e];
+                if (warp == 0 && m < M && n < N) partial[((long)blockIdx.y * M + m) * N + n] = acc[mt][e];
             }
-        __threadfence();
-        __syncwarp();
-        int last = 0;
-        if (lane == 0) {
-            last = atomicAdd(&counters[blockIdx.x], 1) == (int)gridDim.y - 1;
-            if (last) counters[blockIdx.x] = 0;
-        }
-        if (!__shfl_sync(FULL_MASK, last, 0)) return;
-        __threadfence();
+        if (!last_to_arrive(&counters[blockIdx.x], gridDim.y) || warp != 0) return;
         for (int sp = 0; sp < (int)gridDim.y; sp++)  // split-major: each split's loads all in flight at once
 #pragma unroll
             for (int mt = 0; mt < MT; mt++)
@@ -435,6 +533,7 @@ __global__ void __launch_bounds__(128) matmul_skinny(const half* x, const half* 
                     acc[mt][e] = sp == 0 ? v : acc[mt][e] + v;
                 }
     }
+    if (warp != 0) return;
 #pragma unroll
     for (int mt = 0; mt < MT; mt++)  // epilogue reads first, then the stores
 #pragma unroll
@@ -812,17 +911,7 @@ __global__ void __launch_bounds__(128) attention_rows(
         part_o[pi * D + d] = L > 0.f ? acc / L : 0.f;
         if (d == 0) part_lse[pi] = L > 0.f ? mx + log2f(L) : NEG_INF;
     }
-    if (nsplit == 1) return;
-    __shared__ int last;
-    __threadfence();  // this split's partial result is visible before its arrival is counted
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        last = atomicAdd(&counters[r * H + h], 1) == nsplit - 1;
-        if (last) counters[r * H + h] = 0;  // ready for the next launch
-    }
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
+    if (nsplit == 1 || !last_to_arrive(&counters[r * H + h], nsplit)) return;
     const long base = ((long)r * H + h) * gridDim.z;
     __shared__ float lse[32];  // nsplit <= 32 (the host plans so); loaded in one round, not one per split
     if (threadIdx.x < nsplit) lse[threadIdx.x] = __ldcg(&part_lse[base + threadIdx.x]);
@@ -997,8 +1086,9 @@ extern "C" __global__ void decode_advance(const int* tokens, int* input_ids, int
 
 // nvcc (CI) compiles every instantiation NVRTC gets through name_expressions, so ptxas sees them all
 #ifndef __CUDACC_RTC__
-template __global__ void matmul_tc<128>(const half*, const half*, const half*, const half*, void*, int, int, int, int, int);
-template __global__ void matmul_tc<64>(const half*, const half*, const half*, const half*, void*, int, int, int, int, int);
+#define TC(BM, S) template __global__ void matmul_tc<BM, S>(const half*, const half*, const half*, const half*, void*, \
+                                                          int, int, int, int, int, int, float*, int*);
+TC(128, 3) TC(64, 3) TC(64, 8)
 #define GEMV(MR, R) template __global__ void matmul_gemv<MR, R>(const half*, const half*, const half*, const half*, \
                                                                 void*, int, int, int, int, int, const half*, const half*, float);
 GEMV(1, 4) GEMV(1, 8)

@@ -307,7 +307,7 @@ def make_backend(device, dtype):
 
 cp = None  # cupy, imported when a CudaBackend is made
 KERNELS_CU = Path(__file__).with_name("kernels.cu")
-TEMPLATES = (["matmul_tc<128>", "matmul_tc<64>", "matmul_gemv<1,4>", "matmul_gemv<1,8>"] +
+TEMPLATES = (["matmul_tc<128,3>", "matmul_tc<64,3>", "matmul_tc<64,8>", "matmul_gemv<1,4>", "matmul_gemv<1,8>"] +
              [f"matmul_skinny<{mt}>" for mt in (1, 2, 4, 8)] +
              [f"{k}<{t}>" for t in ("float", "half") for k in ("layernorm", "embed", "cache_write", "attention_rows")])
 PLAIN = ["matmul_f32", "attention_prefill", "sample_tokens", "decode_advance"]
@@ -326,7 +326,8 @@ def compile_kernels():
     if _kernels is None:
         src = KERNELS_CU.read_text()
         try:
-            mod = cp.RawModule(code=src, name_expressions=TEMPLATES)  # CuPy adds --std=c++17, sm_90
+            # sm_90a: Hopper's wgmma (matmul_tc); CuPy adds --std=c++17
+            mod = cp.RawModule(code=src, options=("-arch=sm_90a",), name_expressions=TEMPLATES)
             kernels = {name: mod.get_function(name) for name in TEMPLATES + PLAIN}
         except cp.cuda.compiler.CompileException as e:
             log, lines = e.get_message(), src.splitlines()
@@ -334,8 +335,8 @@ def compile_kernels():
                      for n in dict.fromkeys(re.findall(r"\((\d+)\): error", log)) if 0 < int(n) <= len(lines)]
             raise RuntimeError(f"{KERNELS_CU} failed to compile (NVRTC):\n" + "\n".join(where) +
                                "\n\nfull compiler log:\n" + log.replace("kern.cu(", "kernels.cu(")) from None
-        for name in ("matmul_tc<128>", "matmul_tc<64>"):  # 3-stage pipeline needs > 48 KB of shared memory
-            kernels[name].max_dynamic_shared_size_bytes = _tc_smem(int(name[10:-1]))
+        for bm, stages in ((128, 3), (64, 3), (64, 8)):  # its pipeline needs > 48 KB of shared memory
+            kernels[f"matmul_tc<{bm},{stages}>"].max_dynamic_shared_size_bytes = _tc_smem(bm, stages)
         for name in ("matmul_gemv<1,4>", "matmul_gemv<1,8>"):
             kernels[name].max_dynamic_shared_size_bytes = GEMV_SMEM
         kernels["sample_tokens"].max_dynamic_shared_size_bytes = SAMPLE_SMEM  # p of a whole row
@@ -359,8 +360,8 @@ def _libcuda():
     return lib
 
 
-def _tc_smem(bm):
-    return 3 * (bm + 128) * 72 * 2  # STAGES * (BM + BN) rows * LD halves * 2 bytes
+def _tc_smem(bm, stages):
+    return stages * (bm + 128) * 128 + 1024  # (BM + BN) rows of 128 bytes per stage, and room to align to 1024
 
 
 def _cdiv(a, b):
@@ -522,24 +523,33 @@ class CudaBackend:
             # kernel would leave SMs idle; the 64 x 50257 lm_head goes to the tiles)
             mt = 1 if M <= 8 else 2 if M <= 16 else 4 if M <= 32 else 8
             blocks_n, chunks = _cdiv(N, 16), _cdiv(K, 64)
-            # too few blocks to fill the SMs: split K over blocks too (up to ~2 blocks per SM), keeping
-            # >= 16 chunks of 64 per split (4 per warp) and, for larger M, no more partial-sum traffic
-            # than the weights themselves
-            splits = 1
-            if blocks_n < self.num_sms:
-                splits = max(1, min(_cdiv(2 * self.num_sms, blocks_n), chunks // 16, K // (4 * M)))
-            splits = max(1, min(splits, SPLITK_SCRATCH // (M * N)))
-            if blocks_n > self._counters.size:
-                splits = 1
-            k_per_split = _cdiv(chunks, splits) * 64
-            splits = _cdiv(K, k_per_split)
+            # >= 16 chunks of 64 per split (4 per warp) and, for larger M, no more partial-sum traffic than
+            # the weights themselves
+            splits, k_per_split = self._split_k(blocks_n, 2, K, min(chunks // 16, K // (4 * M)), M * N)
             self.launch(f"matmul_skinny<{mt}>", (blocks_n, splits), (128,),
                         args + (np.int32(f32), np.int32(k_per_split), self._partial, self._counters))
         else:
             bm = 128 if M > 64 and _cdiv(M, 128) * _cdiv(N, 128) >= self.num_sms else 64
-            self.launch(f"matmul_tc<{bm}>", (_cdiv(N, 128), _cdiv(M, bm)), (256,), args + (np.int32(f32),),
-                        shared_mem=_tc_smem(bm))
+            grid = (_cdiv(N, 128), _cdiv(M, bm))
+            # too few tiles for the SMs (decode batches): one block per SM, so 8 stages keep more bytes in
+            # flight, and K split in >= 12 tiles of 64 (partial sums go as float4: N a multiple of 4)
+            few = grid[0] * grid[1] < self.num_sms
+            stages = 8 if few else 3
+            splits, k_per_split = self._split_k(grid[0] * grid[1], 1 if few else 2, K,
+                                                _cdiv(K, 64) // 12 if N % 4 == 0 else 1, M * N)
+            self.launch(f"matmul_tc<{bm},{stages}>", grid + (splits,), (2 * bm,),
+                        args + (np.int32(f32), np.int32(k_per_split), self._partial, self._counters),
+                        shared_mem=_tc_smem(bm, stages))
         return y if out_dtype is None else y.astype(out_dtype, copy=False)
+
+    def _split_k(self, blocks, per_sm, K, most, MN):
+        """(splits, k_per_split): when `blocks` leave SMs idle, K is split over up to per_sm blocks per SM too, in
+        chunks of 64 and at most `most` ways; the last block of each group adds up the MN partial sums."""
+        splits = 1
+        if blocks < self.num_sms:
+            splits = max(1, min(per_sm * self.num_sms // blocks, most, SPLITK_SCRATCH // MN))
+        k_per_split = _cdiv(_cdiv(K, 64), splits) * 64
+        return _cdiv(K, k_per_split), k_per_split
 
     def cache_write(self, k, v, k_cache, v_cache, slot_mapping):
         (k, ks), (v, vs) = self._rows(k), self._rows(v)
