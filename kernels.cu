@@ -264,25 +264,27 @@ __global__ void __launch_bounds__(BM * 2, 256 / BM) matmul_tc(const half* x, con
                     *reinterpret_cast<const float4*>(&tile[r * TLD + c]);
         }
         if (!last_to_arrive(&counters[blockIdx.y * gridDim.x + blockIdx.x], gridDim.z)) return;
-        for (int sp = 0; sp < (int)gridDim.z; sp++) {
-            if (sp == blockIdx.z) continue;
-            float4 v[RUNS];  // a split's loads all in flight at once
+        for (int sp = 0; sp < (int)gridDim.z; sp++)  // in split order, its own too: the same sum whichever block is last
 #pragma unroll
-            for (int u = 0; u < RUNS; u++) {
-                int r, c;
-                run(u, r, c);
-                bool ok = m0 + r < M && n0 + c < N;
-                v[u] = ok ? __ldcg(reinterpret_cast<const float4*>(&partial[((long)sp * M + m0 + r) * N + n0 + c]))
-                          : make_float4(0.f, 0.f, 0.f, 0.f);
-            }
+            for (int u0 = 0; u0 < RUNS; u0 += 8) {
+                float4 v[8];  // 8 loads in flight at once (16 would spill)
 #pragma unroll
-            for (int u = 0; u < RUNS; u++) {  // each thread adds to its own runs only: no barrier needed
-                int r, c;
-                run(u, r, c);
-                float4* s = reinterpret_cast<float4*>(&tile[r * TLD + c]);
-                *s = make_float4(s->x + v[u].x, s->y + v[u].y, s->z + v[u].z, s->w + v[u].w);
+                for (int u = 0; u < 8; u++) {
+                    int r, c;
+                    run(u0 + u, r, c);
+                    bool ok = m0 + r < M && n0 + c < N;
+                    v[u] = ok ? __ldcg(reinterpret_cast<const float4*>(&partial[((long)sp * M + m0 + r) * N + n0 + c]))
+                              : make_float4(0.f, 0.f, 0.f, 0.f);
+                }
+#pragma unroll
+                for (int u = 0; u < 8; u++) {  // each thread adds to its own runs only: no barrier needed
+                    int r, c;
+                    run(u0 + u, r, c);
+                    float4* s = reinterpret_cast<float4*>(&tile[r * TLD + c]);
+                    if (sp > 0) v[u] = make_float4(s->x + v[u].x, s->y + v[u].y, s->z + v[u].z, s->w + v[u].w);
+                    *s = v[u];
+                }
             }
-        }
     }
 #pragma unroll 1
     for (int u = 0; u < RUNS; u++) {

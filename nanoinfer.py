@@ -531,12 +531,11 @@ class CudaBackend:
         else:
             bm = 128 if M > 64 and _cdiv(M, 128) * _cdiv(N, 128) >= self.num_sms else 64
             grid = (_cdiv(N, 128), _cdiv(M, bm))
-            # too few tiles for the SMs (decode batches): one block per SM, so 8 stages keep more bytes in
-            # flight, and K split in >= 12 tiles of 64 (partial sums go as float4: N a multiple of 4)
-            few = grid[0] * grid[1] < self.num_sms
-            stages = 8 if few else 3
-            splits, k_per_split = self._split_k(grid[0] * grid[1], 1 if few else 2, K,
-                                                _cdiv(K, 64) // 12 if N % 4 == 0 else 1, M * N)
+            # fewer tiles than SMs (decode batches of 65-512 rows): one block per SM, waiting on memory, so 8
+            # stages keep more bytes in flight, and K is split in >= 12 tiles of 64 (the partial sums go as
+            # float4: N a multiple of 4); otherwise 3 stages, two blocks per SM
+            stages = 8 if grid[0] * grid[1] < self.num_sms else 3
+            splits, k_per_split = self._split_k(grid[0] * grid[1], 1, K, _cdiv(K, 64) // 12 if N % 4 == 0 else 1, M * N)
             self.launch(f"matmul_tc<{bm},{stages}>", grid + (splits,), (2 * bm,),
                         args + (np.int32(f32), np.int32(k_per_split), self._partial, self._counters),
                         shared_mem=_tc_smem(bm, stages))

@@ -894,10 +894,11 @@ def test_matmul(be, M, N, K, epi):
 
 
 @NO_GPU
-@pytest.mark.parametrize("M", [1, 64])
+@pytest.mark.parametrize("M", [1, 64, 200])
 def test_matmul_lm_head_shape_and_repeat(be, M):
     """The lm_head shape (V = 50257, an odd N) is right, its fp32 logits come from the fp32 accumulator (not an
-    fp16 result widened), and a split-K matmul run twice repeats bit for bit (its counters reset themselves)."""
+    fp16 result widened), and a split-K matmul run twice repeats bit for bit (its counters reset themselves;
+    M = 64 splits K in matmul_skinny, M = 200 in matmul_tc)."""
     dt = be.dtype.type
     x = to_gpu(rng.standard_normal((M, 768)), dt)
     w = to_gpu(rng.standard_normal((50257, 768)) / math.sqrt(768), dt)
