@@ -232,19 +232,20 @@ __global__ void __launch_bounds__(BM * 2, 256 / BM) matmul_tc(const half* x, con
         __syncthreads();  // tile kt has landed, and the stage refilled next was read by the wgmmas already waited on
         if (kt + STAGES - 1 < ktiles) load_tile((kt + STAGES - 1) % STAGES, kt + STAGES - 1);
         cp_async_commit();
-        const unsigned a = smem + (kt % STAGES) * STAGE_BYTES + wg * 64 * 128, b = smem + (kt % STAGES) * STAGE_BYTES + A_BYTES;
+        const unsigned a = smem + (kt % STAGES) * STAGE_BYTES + wg * 64 * 128;  // this warpgroup's 64 rows of x
+        const unsigned b = smem + (kt % STAGES) * STAGE_BYTES + A_BYTES;        // the 128 rows of w
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < BK; kk += 16) wgmma_m64n128k16(acc, smem_desc(a + kk * 2), smem_desc(b + kk * 2));
         wgmma_commit_and_wait();
     }
 
-
     // The tile of y goes through shared memory (the stages are free now); each thread then walks 16-byte runs
     // along its rows, so global stores and split-K's partial sums are coalesced (H200: the fp32 logits of the
     // 256 x 50257 lm_head in 66 us, against 104 us stored straight from the accumulators' scattered pairs),
     // and the epilogue is a loop rather than 64 unrolled copies (35 KB of instructions instead of 85).
     constexpr int TLD = BN + 8, RUNS = BM * BN / 4 / THREADS;  // row pitch (floats): the float2 writes miss no bank
+    static_assert(BM * TLD * 4 <= STAGES * STAGE_BYTES, "the tile of y fits in the pipeline's stages");
     cp_async_wait<0>();
     __syncthreads();
     float* tile = reinterpret_cast<float*>(smem_raw + (smem - smem_addr(smem_raw)));  // (BM, TLD) fp32
