@@ -288,15 +288,19 @@ def make_backend(device, dtype):
         try:
             import cupy
             gpu = cupy.cuda.runtime.getDeviceCount() > 0
+            cc = cupy.cuda.Device().attributes if gpu else {}
         except Exception as e:
             gpu, why = False, f"{type(e).__name__}: {e}"
         else:
             why = "no GPU is visible"
+            if gpu and cc.get("ComputeCapabilityMajor", 9) != 9:  # kernels.cu uses Hopper's wgmma
+                gpu, why = False, (f"the GPU has compute capability {cc['ComputeCapabilityMajor']}."
+                                   f"{cc.get('ComputeCapabilityMinor', 0)}; the kernels are Hopper's (9.0: H100, H200)")
         if gpu:
             return CudaBackend(np.dtype(dtype or np.float16))
         if device == "cuda":
-            raise RuntimeError(f"device='cuda' needs CuPy and an NVIDIA GPU ({why}): "
-                               "pip install cupy-cuda13x on a GPU machine, or use device='cpu'")
+            raise RuntimeError(f"device='cuda' needs CuPy and an NVIDIA Hopper GPU ({why}): "
+                               "pip install cupy-cuda13x on an H100 or H200, or use device='cpu'")
         print(f"nanoinfer: no usable GPU ({why}); running on the CPU with numpy", file=sys.stderr)
     if dtype is not None and np.dtype(dtype) != np.float32:
         raise ValueError(f"dtype={np.dtype(dtype).name} on the CPU: numpy has no fast half-precision matmul; use float32")

@@ -22,6 +22,7 @@ import threading
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -641,6 +642,18 @@ def test_weights_errors_name_the_file(tiny, tmp_path, how):
     assert name in str(e.value), str(e.value)
     if how == "wrong shape":
         assert "c_proj" in str(e.value)
+
+
+def test_cuda_on_a_gpu_before_hopper(monkeypatch, capsys):
+    """The kernels need Hopper: on an older GPU (a stand-in CuPy that reports an A100), device='cuda' says so and
+    what to do, and device='auto' runs on the CPU, saying why."""
+    gpu = SimpleNamespace(attributes={"ComputeCapabilityMajor": 8, "ComputeCapabilityMinor": 0})
+    fake = SimpleNamespace(cuda=SimpleNamespace(runtime=SimpleNamespace(getDeviceCount=lambda: 1), Device=lambda: gpu))
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    with pytest.raises(RuntimeError, match=r"compute capability 8\.0.*H100.*device='cpu'"):
+        ni.make_backend("cuda", None)
+    assert isinstance(ni.make_backend("auto", None), ni.NumpyBackend)
+    assert "compute capability 8.0" in capsys.readouterr().err
 
 
 def test_unknown_model_name():
