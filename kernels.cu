@@ -163,10 +163,10 @@ __device__ __forceinline__ void wgmma_fence() {  // accumulators written by ordi
     asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 #endif
 }
-__device__ __forceinline__ void wgmma_commit_and_wait() {  // all wgmma issued so far are done, accumulators final
+template <int N> __device__ __forceinline__ void wgmma_commit_and_wait() {  // all but the last N groups are done
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+    asm volatile("wgmma.wait_group.sync.aligned %0;" :: "n"(N) : "memory");
 #endif
 }
 
@@ -177,9 +177,12 @@ __device__ __forceinline__ void wgmma_commit_and_wait() {  // all wgmma issued s
 // pipeline in the swizzled layout above, so STAGES - 1 tiles are in flight while the tensor cores chew on
 // one. When the tiles fill the SMs (prefill), 3 stages let two blocks share an SM, so one computes while the
 // other waits (H200: 8192x3072x768 at 63 % of cuBLAS, against 42 % with 4 stages and one block per SM).
-// Decode batches of 65-512 rows make fewer tiles than SMs: one block per SM, waiting on memory latency,
-// so 8 stages keep 7 tiles in flight, and K is also split across blockIdx.z as in matmul_skinny below
-// (H200, 256x768x3072: 15.8 us against 23.6 with 3 stages and no split). Each thread copies one 16-byte
+// With fewer tiles than SMs a block has its SM alone: 4 or 8 stages, and the loop leaves one group of
+// wgmma running across the barrier, so the tensor cores do not wait for it (H200: 2048x768x3072 at 68 %
+// of cuBLAS, against 53 % with two 64-row blocks per SM; decode 256x768x768 8.6 us against 9.4 when every
+// step waits for its wgmma). Decode batches of 65-512 rows take 64-row tiles with 8 stages, 7 tiles in
+// flight, and K is also split across blockIdx.z as in matmul_skinny below (H200, 256x768x3072: 15.8 us
+// against 23.6 with 3 stages and no split). Each thread copies one 16-byte
 // column chunk of every (threads/8)-th row: after the swizzle that chunk lands at the same column of each
 // of its rows, so a tile's copies are a constant stride apart and cost a few instructions each (the
 // mma.sync kernel this replaced issued ~450 instructions per warp per k-step, 48 of them ldmatrix and mma:
@@ -217,8 +220,11 @@ __global__ void __launch_bounds__(BM * 2, 256 / BM) matmul_tc(const half* x, con
         }
     };
 
+    // with 4 or more stages one group of wgmma stays in flight across the barrier, and the loads run LAG tiles
+    // less far ahead: the stage they refill must be one that no running wgmma still reads
+    constexpr int LAG = STAGES >= 4 ? 1 : 0, AHEAD = STAGES - 1 - LAG;
     wait_for_inputs();
-    for (int s = 0; s < STAGES - 1; s++) {
+    for (int s = 0; s < AHEAD; s++) {
         if (s < ktiles) load_tile(s, s);
         cp_async_commit();
     }
@@ -227,18 +233,19 @@ __global__ void __launch_bounds__(BM * 2, 256 / BM) matmul_tc(const half* x, con
 #pragma unroll
     for (int i = 0; i < 64; i++) acc[i] = 0.f;
     for (int kt = 0; kt < ktiles; kt++) {
-        cp_async_wait<STAGES - 2>();
+        cp_async_wait<AHEAD - 1>();
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // cp.async's writes, visible to wgmma's reads
-        __syncthreads();  // tile kt has landed, and the stage refilled next was read by the wgmmas already waited on
-        if (kt + STAGES - 1 < ktiles) load_tile((kt + STAGES - 1) % STAGES, kt + STAGES - 1);
+        __syncthreads();  // tile kt has landed; the stage refilled next was last read by group kt - 1 - LAG, retired
+        if (kt + AHEAD < ktiles) load_tile((kt + AHEAD) % STAGES, kt + AHEAD);
         cp_async_commit();
         const unsigned a = smem + (kt % STAGES) * STAGE_BYTES + wg * 64 * 128;  // this warpgroup's 64 rows of x
         const unsigned b = smem + (kt % STAGES) * STAGE_BYTES + A_BYTES;        // the 128 rows of w
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < BK; kk += 16) wgmma_m64n128k16(acc, smem_desc(a + kk * 2), smem_desc(b + kk * 2));
-        wgmma_commit_and_wait();
+        wgmma_commit_and_wait<LAG>();
     }
+    if constexpr (LAG > 0) wgmma_commit_and_wait<0>();  // (an empty group) the last LAG groups too
 
     // The tile of y goes through shared memory (the stages are free now); each thread then walks 16-byte runs
     // along its rows, so global stores and split-K's partial sums are coalesced (H200: the fp32 logits of the
@@ -1094,7 +1101,7 @@ extern "C" __global__ void decode_advance(const int* tokens, int* input_ids, int
 #ifndef __CUDACC_RTC__
 #define TC(BM, S) template __global__ void matmul_tc<BM, S>(const half*, const half*, const half*, const half*, void*, \
                                                           int, int, int, int, int, int, float*, int*);
-TC(128, 3) TC(64, 3) TC(64, 8)
+TC(128, 3) TC(128, 4) TC(64, 3) TC(64, 8)
 #define GEMV(MR, R) template __global__ void matmul_gemv<MR, R>(const half*, const half*, const half*, const half*, \
                                                                 void*, int, int, int, int, int, const half*, const half*, float);
 GEMV(1, 4) GEMV(1, 8)

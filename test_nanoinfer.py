@@ -887,7 +887,7 @@ def heads(qkv, j, H):
 
 # ---- matmul ----------------------------------------------------------------------------------
 @NO_GPU
-@pytest.mark.parametrize("M", [1, 3, 8, 17, 64, 65, 1000, 4096])
+@pytest.mark.parametrize("M", [1, 3, 8, 17, 64, 65, 700, 1000, 4096])
 @pytest.mark.parametrize("N,K,epi", [(N, K, epi) for N, K in ((2304 + 40, 776), (768, 3072))
                                      for epi in ("none", "bias_gelu", "bias_residual", "all")] +
                          [(N, K, epi) for N, K in ((2304 + 40, 776), (6400, 1600)) for epi in ("ln", "ln_all")])
