@@ -525,8 +525,9 @@ __global__ void __launch_bounds__(128) matmul_skinny(const half* x, const half* 
     for (int i = 0; i < MT * 4; i++) red[warp][i][lane] = acc[i / 4][i % 4];
     __syncthreads();
     // warp 0 finishes: acc[mt][e] is y[m = mt*8 + 2t + (e&1)][n = n0 + g + 8*(e>>1)]
+    if (warp == 0)
 #pragma unroll
-    for (int i = 0; i < MT * 4; i++) acc[i / 4][i % 4] = red[0][i][lane] + red[1][i][lane] + red[2][i][lane] + red[3][i][lane];
+        for (int i = 0; i < MT * 4; i++) acc[i / 4][i % 4] = red[0][i][lane] + red[1][i][lane] + red[2][i][lane] + red[3][i][lane];
     if (gridDim.y > 1) {
 #pragma unroll
         for (int mt = 0; mt < MT; mt++)
