@@ -124,8 +124,8 @@ __device__ __forceinline__ unsigned pack_half2(float lo, float hi) {
 
 // ---------------------------------------------------------------------------------------------
 // Hopper's warpgroup tensor-core instruction (wgmma, sm_90a): the 128 threads of a warpgroup multiply a 64 x 16
-// tile of A by a 16 x 128 tile of B, both read straight from shared memory, into 64 x 128 fp32 accumulators
-// held 64 per thread. It is asynchronous: issue, commit, and wait for it before touching the accumulators.
+// tile of A by a 16 x 128 tile of B (or 16 x 32), both read straight from shared memory, into 64 x 128 fp32
+// accumulators held 64 per thread (16 for 32). It is asynchronous: issue, commit, and wait for it before touching the accumulators.
 // Shared memory is described to it by a 64-bit descriptor. Our tiles are "K-major with the 128-byte
 // swizzle": each row holds 64 halves of K (128 bytes), rows come in groups of 8 (1024 bytes, the stride
 // between groups), and the 16-byte chunk c of row r sits at chunk c ^ (r % 8), so the 8 rows of a group
@@ -158,6 +158,18 @@ __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], unsigned long l
     __trap();
 #endif
 }
+__device__ __forceinline__ void wgmma_m64n32k16(float (&d)[16], unsigned long long a, unsigned long long b) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile("{ .reg .pred p; setp.ne.b32 p, 1, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {"
+                 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 0, 0; }"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+                 : "l"(a), "l"(b));
+#else
+    __trap();
+#endif
+}
 __device__ __forceinline__ void wgmma_fence() {  // accumulators written by ordinary instructions: wgmma may use them
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
@@ -173,7 +185,7 @@ template <int N> __device__ __forceinline__ void wgmma_commit_and_wait() {  // a
 // ---------------------------------------------------------------------------------------------
 // matmul_tc: y (M,N) = epilogue(x (M,K) @ w (N,K)^T), fp16 in and out, fp32 accumulation, on wgmma.
 // Compute-bound at prefill sizes: 2*M*N*K FLOPs over (M*K + N*K + M*N) * 2 bytes. A block of BM/64
-// warpgroups owns a BM x 128 tile of y (each warpgroup 64 x 128); K goes by 64 through a STAGES-deep cp.async
+// warpgroups owns a BM x BN tile of y (each warpgroup 64 x BN); K goes by 64 through a STAGES-deep cp.async
 // pipeline in the swizzled layout above, so STAGES - 1 tiles are in flight while the tensor cores chew on
 // one. When the tiles fill the SMs (prefill), 3 stages let two blocks share an SM, so one computes while the
 // other waits (H200: 8192x3072x768 at 63 % of cuBLAS, against 42 % with 4 stages and one block per SM).
@@ -181,20 +193,21 @@ template <int N> __device__ __forceinline__ void wgmma_commit_and_wait() {  // a
 // wgmma running across the barrier, so the tensor cores do not wait for it (H200: 2048x768x3072 at 68 %
 // of cuBLAS, against 53 % with two 64-row blocks per SM; decode 256x768x768 8.6 us against 9.4 when every
 // step waits for its wgmma). Decode batches of 65-512 rows take 64-row tiles with 8 stages, 7 tiles in
-// flight, and K is also split across blockIdx.z as in matmul_skinny below (H200, 256x768x3072: 15.8 us
-// against 23.6 with 3 stages and no split). Each thread copies one 16-byte
-// column chunk of every (threads/8)-th row: after the swizzle that chunk lands at the same column of each
-// of its rows, so a tile's copies are a constant stride apart and cost a few instructions each (the
-// mma.sync kernel this replaced issued ~450 instructions per warp per k-step, 48 of them ldmatrix and mma:
-// 19-34 % of cuBLAS).
+// flight, and tiles only BN = 32 wide while those fill no more than two blocks per SM, so that more SMs
+// share the work (the 32-wide wgmma, as cuBLAS's kernel for these shapes); K is also split across
+// blockIdx.z as in matmul_skinny below (H200, 256x768x3072: 15.8 us against 23.6 with 3 stages and no
+// split; 12.0 with 32-wide tiles). Each thread copies one 16-byte column chunk of every (threads/8)-th
+// row: after the swizzle that chunk lands at the same column of each of its rows, so a tile's copies are a
+// constant stride apart and cost a few instructions each (the mma.sync kernel this replaced issued ~450
+// instructions per warp per k-step, 48 of them ldmatrix and mma: 19-34 % of cuBLAS).
 // Rows past M or N and chunks past K are zero-filled, so K only has to be a multiple of 8. Bias, GELU and
 // the residual add happen on the fp32 accumulators.
-template <int BM, int STAGES>
+template <int BM, int BN, int STAGES>
 __global__ void __launch_bounds__(BM * 2, 256 / BM) matmul_tc(const half* x, const half* __restrict__ w,
                                                     const half* __restrict__ bias, const half* residual,
                                                     void* __restrict__ y, int M, int N, int K, int gelu, int y_f32,
                                                     int k_per_split, float* partial, int* counters) {
-    constexpr int BN = 128, BK = 64, THREADS = BM * 2, RSTEP = THREADS / 8;
+    constexpr int BK = 64, THREADS = BM * 2, RSTEP = THREADS / 8;
     constexpr int A_BYTES = BM * BK * 2, STAGE_BYTES = (BM + BN) * BK * 2;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     const unsigned smem = (smem_addr(smem_raw) + 1023) & ~1023u;  // [STAGES][BM + BN rows][128 bytes]
@@ -229,9 +242,9 @@ __global__ void __launch_bounds__(BM * 2, 256 / BM) matmul_tc(const half* x, con
         cp_async_commit();
     }
     const int wg = tid / 128;
-    float acc[64];  // y[m][n] for m = 16 * warp + lane / 4 (+8), n = 8 j + 2 (lane % 4) (+1): acc[4 j + ...]
+    float acc[BN / 2];  // y[m][n] for m = 16 * warp + lane / 4 (+8), n = 8 j + 2 (lane % 4) (+1): acc[4 j + ...]
 #pragma unroll
-    for (int i = 0; i < 64; i++) acc[i] = 0.f;
+    for (int i = 0; i < BN / 2; i++) acc[i] = 0.f;
     for (int kt = 0; kt < ktiles; kt++) {
         cp_async_wait<AHEAD - 1>();
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // cp.async's writes, visible to wgmma's reads
@@ -242,7 +255,10 @@ __global__ void __launch_bounds__(BM * 2, 256 / BM) matmul_tc(const half* x, con
         const unsigned b = smem + (kt % STAGES) * STAGE_BYTES + A_BYTES;        // the 128 rows of w
         wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < BK; kk += 16) wgmma_m64n128k16(acc, smem_desc(a + kk * 2), smem_desc(b + kk * 2));
+        for (int kk = 0; kk < BK; kk += 16) {
+            if constexpr (BN == 128) wgmma_m64n128k16(acc, smem_desc(a + kk * 2), smem_desc(b + kk * 2));
+            else wgmma_m64n32k16(acc, smem_desc(a + kk * 2), smem_desc(b + kk * 2));
+        }
         wgmma_commit_and_wait<LAG>();
     }
     if constexpr (LAG > 0) wgmma_commit_and_wait<0>();  // (an empty group) the last LAG groups too
@@ -251,14 +267,14 @@ __global__ void __launch_bounds__(BM * 2, 256 / BM) matmul_tc(const half* x, con
     // along its rows, so global stores and split-K's partial sums are coalesced (H200: the fp32 logits of the
     // 256 x 50257 lm_head in 66 us, against 104 us stored straight from the accumulators' scattered pairs),
     // and the epilogue is a loop rather than 64 unrolled copies (35 KB of instructions instead of 85).
-    constexpr int TLD = BN + 8, RUNS = BM * BN / 4 / THREADS;  // row pitch (floats): the float2 writes miss no bank
+    constexpr int TLD = BN + 8, RUNS = BM * BN / 4 / THREADS, IN_FLIGHT = RUNS < 8 ? RUNS : 8;  // row pitch (floats): the float2 writes miss no bank
     static_assert(BM * TLD * 4 <= STAGES * STAGE_BYTES, "the tile of y fits in the pipeline's stages");
     cp_async_wait<0>();
     __syncthreads();
     float* tile = reinterpret_cast<float*>(smem_raw + (smem - smem_addr(smem_raw)));  // (BM, TLD) fp32
     const int lane = tid & 31, rw = wg * 64 + (tid & 127) / 32 * 16 + (lane >> 2), cw = 2 * (lane & 3);
 #pragma unroll
-    for (int i = 0; i < 64; i += 2)  // acc[4 j + 2 hf + e] is the tile's (rw + 8 hf, 8 j + cw + e)
+    for (int i = 0; i < BN / 2; i += 2)  // acc[4 j + 2 hf + e] is the tile's (rw + 8 hf, 8 j + cw + e)
         *reinterpret_cast<float2*>(&tile[(rw + (i & 2) * 4) * TLD + (i >> 2) * 8 + cw]) = make_float2(acc[i], acc[i + 1]);
     __syncthreads();
     auto run = [&](int u, int& r, int& c) { int q = tid + u * THREADS; r = q / (BN / 4); c = q % (BN / 4) * 4; };
@@ -274,10 +290,10 @@ __global__ void __launch_bounds__(BM * 2, 256 / BM) matmul_tc(const half* x, con
         if (!last_to_arrive(&counters[blockIdx.y * gridDim.x + blockIdx.x], gridDim.z)) return;
         for (int sp = 0; sp < (int)gridDim.z; sp++)  // in split order, its own too: the same sum whichever block is last
 #pragma unroll
-            for (int u0 = 0; u0 < RUNS; u0 += 8) {
-                float4 v[8];  // 8 loads in flight at once (16 would spill)
+            for (int u0 = 0; u0 < RUNS; u0 += IN_FLIGHT) {
+                float4 v[IN_FLIGHT];  // loads in flight at once (16 would spill)
 #pragma unroll
-                for (int u = 0; u < 8; u++) {
+                for (int u = 0; u < IN_FLIGHT; u++) {
                     int r, c;
                     run(u0 + u, r, c);
                     bool ok = m0 + r < M && n0 + c < N;
@@ -285,7 +301,7 @@ __global__ void __launch_bounds__(BM * 2, 256 / BM) matmul_tc(const half* x, con
                               : make_float4(0.f, 0.f, 0.f, 0.f);
                 }
 #pragma unroll
-                for (int u = 0; u < 8; u++) {  // each thread adds to its own runs only: no barrier needed
+                for (int u = 0; u < IN_FLIGHT; u++) {  // each thread adds to its own runs only: no barrier needed
                     int r, c;
                     run(u0 + u, r, c);
                     float4* s = reinterpret_cast<float4*>(&tile[r * TLD + c]);
@@ -1100,9 +1116,9 @@ extern "C" __global__ void decode_advance(const int* tokens, int* input_ids, int
 
 // nvcc (CI) compiles every instantiation NVRTC gets through name_expressions, so ptxas sees them all
 #ifndef __CUDACC_RTC__
-#define TC(BM, S) template __global__ void matmul_tc<BM, S>(const half*, const half*, const half*, const half*, void*, \
+#define TC(BM, BN, S) template __global__ void matmul_tc<BM, BN, S>(const half*, const half*, const half*, const half*, void*, \
                                                           int, int, int, int, int, int, float*, int*);
-TC(128, 3) TC(128, 4) TC(64, 3) TC(64, 8)
+TC(128, 128, 3) TC(128, 128, 4) TC(64, 128, 3) TC(64, 128, 8) TC(64, 32, 8)
 #define GEMV(MR, R) template __global__ void matmul_gemv<MR, R>(const half*, const half*, const half*, const half*, \
                                                                 void*, int, int, int, int, int, const half*, const half*, float);
 GEMV(1, 4) GEMV(1, 8)

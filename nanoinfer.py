@@ -311,8 +311,8 @@ def make_backend(device, dtype):
 
 cp = None  # cupy, imported when a CudaBackend is made
 KERNELS_CU = Path(__file__).with_name("kernels.cu")
-TC_SHAPES = ((128, 3), (128, 4), (64, 3), (64, 8))  # matmul_tc<BM, stages>
-TEMPLATES = ([f"matmul_tc<{bm},{s}>" for bm, s in TC_SHAPES] + ["matmul_gemv<1,4>", "matmul_gemv<1,8>"] +
+TC_SHAPES = ((128, 128, 3), (128, 128, 4), (64, 128, 3), (64, 128, 8), (64, 32, 8))  # matmul_tc<BM, BN, stages>
+TEMPLATES = ([f"matmul_tc<{bm},{bn},{s}>" for bm, bn, s in TC_SHAPES] + ["matmul_gemv<1,4>", "matmul_gemv<1,8>"] +
              [f"matmul_skinny<{mt}>" for mt in (1, 2, 4, 8)] +
              [f"{k}<{t}>" for t in ("float", "half") for k in ("layernorm", "embed", "cache_write", "attention_rows")])
 PLAIN = ["matmul_f32", "attention_prefill", "sample_tokens", "decode_advance"]
@@ -340,8 +340,8 @@ def compile_kernels():
                      for n in dict.fromkeys(re.findall(r"\((\d+)\): error", log)) if 0 < int(n) <= len(lines)]
             raise RuntimeError(f"{KERNELS_CU} failed to compile (NVRTC):\n" + "\n".join(where) +
                                "\n\nfull compiler log:\n" + log.replace("kern.cu(", "kernels.cu(")) from None
-        for bm, stages in TC_SHAPES:  # its pipeline needs > 48 KB of shared memory
-            kernels[f"matmul_tc<{bm},{stages}>"].max_dynamic_shared_size_bytes = _tc_smem(bm, stages)
+        for bm, bn, stages in TC_SHAPES:  # its pipeline needs > 48 KB of shared memory
+            kernels[f"matmul_tc<{bm},{bn},{stages}>"].max_dynamic_shared_size_bytes = _tc_smem(bm, bn, stages)
         for name in ("matmul_gemv<1,4>", "matmul_gemv<1,8>"):
             kernels[name].max_dynamic_shared_size_bytes = GEMV_SMEM
         kernels["sample_tokens"].max_dynamic_shared_size_bytes = SAMPLE_SMEM  # p of a whole row
@@ -365,8 +365,8 @@ def _libcuda():
     return lib
 
 
-def _tc_smem(bm, stages):
-    return stages * (bm + 128) * 128 + 1024  # (BM + BN) rows of 128 bytes per stage, and room to align to 1024
+def _tc_smem(bm, bn, stages):
+    return stages * (bm + bn) * 128 + 1024  # (BM + BN) rows of 128 bytes per stage, and room to align to 1024
 
 
 def _cdiv(a, b):
@@ -537,21 +537,25 @@ class CudaBackend:
             # prefill, when the 128-row tiles fill the SMs: 3 stages, two blocks per SM. Fewer tiles than SMs: a
             # block has its SM alone, so more stages, with a wgmma group left running across the barrier; 128-row
             # tiles while the 64-row ones would fill the SMs (H200, against cupy.matmul: 2048 x 768 x 3072 at 68 %,
-            # against 53 % with two 64-row blocks per SM), 64 rows and 8 stages for decode batches of 65-512 rows,
-            # with K split in >= 12 tiles of 64 (partial sums go as float4s: N % 4 == 0). The lm_head of a 17-64
-            # batch: 64 rows, three blocks per SM.
-            gn = _cdiv(N, 128)
+            # against 53 % with two 64-row blocks per SM). Decode batches of 65-512 rows: 64 x 32 tiles while they
+            # make no more than two blocks per SM, else 64 x 128, 8 stages, and K split in >= 12 tiles of 64
+            # (partial sums go as float4s: N % 4 == 0). cuBLAS's kernel at 256 x 768 x 768 uses 64 x 32 tiles
+            # too: more blocks, each with less to do one k-step after another (H200: 5.3 us, against 8.5 with
+            # 64 x 128 tiles and 4.5 for cuBLAS). The lm_head of a 17-64 batch: 64 rows, three blocks per SM.
+            gn, bn, per_sm = _cdiv(N, 128), 128, 1
             if M > 64 and _cdiv(M, 128) * gn >= self.num_sms:
                 bm, stages = 128, 3
             elif _cdiv(M, 64) * gn >= self.num_sms:
                 bm, stages = (64, 3) if M <= 64 else (128, 4)
             else:
                 bm, stages = 64, 8
+                if _cdiv(M, 64) * _cdiv(N, 32) <= 2 * self.num_sms:
+                    bn, per_sm = 32, 2
             most = _cdiv(K, 64) // 12 if N % 4 == 0 else 1
-            splits, k_per_split = self._split_k(_cdiv(M, bm) * gn, 1, K, most, M * N)
-            self.launch(f"matmul_tc<{bm},{stages}>", (gn, _cdiv(M, bm), splits), (2 * bm,),
+            splits, k_per_split = self._split_k(_cdiv(M, bm) * _cdiv(N, bn), per_sm, K, most, M * N)
+            self.launch(f"matmul_tc<{bm},{bn},{stages}>", (_cdiv(N, bn), _cdiv(M, bm), splits), (2 * bm,),
                         args + (np.int32(f32), np.int32(k_per_split), self._partial, self._counters),
-                        shared_mem=_tc_smem(bm, stages))
+                        shared_mem=_tc_smem(bm, bn, stages))
         return y if out_dtype is None else y.astype(out_dtype, copy=False)
 
     def _split_k(self, blocks, per_sm, K, most, MN):
