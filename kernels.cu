@@ -125,7 +125,8 @@ __device__ __forceinline__ unsigned pack_half2(float lo, float hi) {
 // ---------------------------------------------------------------------------------------------
 // Hopper's warpgroup tensor-core instruction (wgmma, sm_90a): the 128 threads of a warpgroup multiply a 64 x 16
 // tile of A by a 16 x 128 tile of B (or 16 x 32), both read straight from shared memory, into 64 x 128 fp32
-// accumulators held 64 per thread (16 for 32). It is asynchronous: issue, commit, and wait for it before touching the accumulators.
+// accumulators held 64 per thread (16 for 32). It is asynchronous: issue, commit, and wait for it before
+// touching the accumulators.
 // Shared memory is described to it by a 64-bit descriptor. Our tiles are "K-major with the 128-byte
 // swizzle": each row holds 64 halves of K (128 bytes), rows come in groups of 8 (1024 bytes, the stride
 // between groups), and the 16-byte chunk c of row r sits at chunk c ^ (r % 8), so the 8 rows of a group
@@ -252,7 +253,7 @@ __global__ void __launch_bounds__(BM * 2, 256 / BM) matmul_tc(const half* x, con
         if (kt + AHEAD < ktiles) load_tile((kt + AHEAD) % STAGES, kt + AHEAD);
         cp_async_commit();
         const unsigned a = smem + (kt % STAGES) * STAGE_BYTES + wg * 64 * 128;  // this warpgroup's 64 rows of x
-        const unsigned b = smem + (kt % STAGES) * STAGE_BYTES + A_BYTES;        // the 128 rows of w
+        const unsigned b = smem + (kt % STAGES) * STAGE_BYTES + A_BYTES;        // the BN rows of w
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < BK; kk += 16) {
@@ -267,7 +268,8 @@ __global__ void __launch_bounds__(BM * 2, 256 / BM) matmul_tc(const half* x, con
     // along its rows, so global stores and split-K's partial sums are coalesced (H200: the fp32 logits of the
     // 256 x 50257 lm_head in 66 us, against 104 us stored straight from the accumulators' scattered pairs),
     // and the epilogue is a loop rather than 64 unrolled copies (35 KB of instructions instead of 85).
-    constexpr int TLD = BN + 8, RUNS = BM * BN / 4 / THREADS, IN_FLIGHT = RUNS < 8 ? RUNS : 8;  // row pitch (floats): the float2 writes miss no bank
+    constexpr int TLD = BN + 8;  // row pitch (floats): the float2 writes miss no bank
+    constexpr int RUNS = BM * BN / 4 / THREADS, IN_FLIGHT = RUNS < 8 ? RUNS : 8;  // float4 runs per thread
     static_assert(BM * TLD * 4 <= STAGES * STAGE_BYTES, "the tile of y fits in the pipeline's stages");
     cp_async_wait<0>();
     __syncthreads();
