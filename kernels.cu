@@ -124,8 +124,8 @@ __device__ __forceinline__ unsigned pack_half2(float lo, float hi) {
 
 // ---------------------------------------------------------------------------------------------
 // Hopper's warpgroup tensor-core instruction (wgmma, sm_90a): the 128 threads of a warpgroup multiply a 64 x 16
-// tile of A by a 16 x 128 tile of B (or 16 x 32), both read straight from shared memory, into 64 x 128 fp32
-// accumulators held 64 per thread (16 for 32). It is asynchronous: issue, commit, and wait for it before
+// tile of A by a 16 x N tile of B (N = 32, 128 or 144 here), both read straight from shared memory, into
+// 64 x N fp32 accumulators held N / 2 per thread. It is asynchronous: issue, commit, and wait for it before
 // touching the accumulators.
 // Shared memory is described to it by a 64-bit descriptor. Our tiles are "K-major with the 128-byte
 // swizzle": each row holds 64 halves of K (128 bytes), rows come in groups of 8 (1024 bytes, the stride
@@ -137,40 +137,39 @@ __device__ __forceinline__ unsigned pack_half2(float lo, float hi) {
 __device__ __forceinline__ unsigned long long smem_desc(unsigned addr) {
     return ((addr & 0x3FFFF) >> 4) | (1ull << 16) | ((1024ull >> 4) << 32) | (1ull << 62);  // 62: 128-byte swizzle
 }
-__device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], unsigned long long a, unsigned long long b) {
+// d (64 x N, fp32, N / 2 per thread) += a (64 x 16) @ b (N x 16)^T, for the tile widths matmul_tc uses
+#define ACC8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
+                "+f"(d[i + 6]), "+f"(d[i + 7])
+#define WGMMA_ASM(N, REGS, A, B) "{ .reg .pred p; setp.ne.b32 p, 1, 0;\n" \
+    "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32.f16.f16 {" REGS "}, " A ", " B ", p, 1, 1, 0, 0; }"
+template <int N> __device__ __forceinline__ void wgmma(float (&d)[N / 2], unsigned long long a, unsigned long long b) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    asm volatile("{ .reg .pred p; setp.ne.b32 p, 1, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {"
-                 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-                 "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-                 "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-                 "}, %64, %65, p, 1, 1, 0, 0; }"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-                   "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-                   "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-                   "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-                   "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-                   "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-                   "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-                 : "l"(a), "l"(b));
+    if constexpr (N == 32)
+        asm volatile(WGMMA_ASM(32, "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15", "%16", "%17")
+                     : ACC8(0), ACC8(8) : "l"(a), "l"(b));
+    else if constexpr (N == 128)
+        asm volatile(WGMMA_ASM(128,
+                     "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, "
+                     "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, "
+                     "%40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, "
+                     "%60, %61, %62, %63",
+                     "%64", "%65")
+                     : ACC8(0), ACC8(8), ACC8(16), ACC8(24), ACC8(32), ACC8(40), ACC8(48), ACC8(56) : "l"(a), "l"(b));
+    else if constexpr (N == 144)
+        asm volatile(WGMMA_ASM(144,
+                     "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, "
+                     "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, "
+                     "%40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, "
+                     "%60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71",
+                     "%72", "%73")
+                     : ACC8(0), ACC8(8), ACC8(16), ACC8(24), ACC8(32), ACC8(40), ACC8(48), ACC8(56), ACC8(64) : "l"(a), "l"(b));
+    else static_assert(N == 0, "no wgmma wrapper for this tile width");
 #else
     __trap();
 #endif
 }
-__device__ __forceinline__ void wgmma_m64n32k16(float (&d)[16], unsigned long long a, unsigned long long b) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    asm volatile("{ .reg .pred p; setp.ne.b32 p, 1, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {"
-                 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 0, 0; }"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-                 : "l"(a), "l"(b));
-#else
-    __trap();
-#endif
-}
+#undef ACC8
+#undef WGMMA_ASM
 __device__ __forceinline__ void wgmma_fence() {  // accumulators written by ordinary instructions: wgmma may use them
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
@@ -189,7 +188,9 @@ template <int N> __device__ __forceinline__ void wgmma_commit_and_wait() {  // a
 // warpgroups owns a BM x BN tile of y (each warpgroup 64 x BN); K goes by 64 through a STAGES-deep cp.async
 // pipeline in the swizzled layout above, so STAGES - 1 tiles are in flight while the tensor cores chew on
 // one. When the tiles fill the SMs (prefill), 3 stages let two blocks share an SM, so one computes while the
-// other waits (H200: 8192x3072x768 at 63 % of cuBLAS, against 42 % with 4 stages and one block per SM).
+// other waits (H200: 8192x3072x768 at 63 % of cuBLAS, against 42 % with 4 stages and one block per SM),
+// and the tiles are 144 wide where that takes fewer rounds of blocks (2048x2304x768: 256 tiles for 264
+// slots, against 288 of 128: 71 % of cuBLAS against 54 %).
 // With fewer tiles than SMs a block has its SM alone: 4 or 8 stages, and the loop leaves one group of
 // wgmma running across the barrier, so the tensor cores do not wait for it (H200: 2048x768x3072 at 68 %
 // of cuBLAS, against 53 % with two 64-row blocks per SM; decode 256x768x768 8.6 us against 9.4 when every
@@ -227,7 +228,8 @@ __global__ void __launch_bounds__(BM * 2, 256 / BM) matmul_tc(const half* x, con
             cp_async16(base + i * RSTEP * 128, x + (ok ? (long)row * K + k : 0), ok);
         }
 #pragma unroll
-        for (int i = 0; i < BN / RSTEP; i++) {
+        for (int i = 0; i < (BN + RSTEP - 1) / RSTEP; i++) {
+            if (BN % RSTEP && r0 + i * RSTEP >= BN) break;  // BN = 144: the last 16 rows, by half the threads
             int row = n0 + r0 + i * RSTEP;
             bool ok = row < N && k < K;
             cp_async16(base + A_BYTES + i * RSTEP * 128, w + (ok ? (long)row * K + k : 0), ok);
@@ -257,8 +259,7 @@ __global__ void __launch_bounds__(BM * 2, 256 / BM) matmul_tc(const half* x, con
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < BK; kk += 16) {
-            if constexpr (BN == 128) wgmma_m64n128k16(acc, smem_desc(a + kk * 2), smem_desc(b + kk * 2));
-            else wgmma_m64n32k16(acc, smem_desc(a + kk * 2), smem_desc(b + kk * 2));
+            wgmma<BN>(acc, smem_desc(a + kk * 2), smem_desc(b + kk * 2));
         }
         wgmma_commit_and_wait<LAG>();
     }
@@ -1120,7 +1121,7 @@ extern "C" __global__ void decode_advance(const int* tokens, int* input_ids, int
 #ifndef __CUDACC_RTC__
 #define TC(BM, BN, S) template __global__ void matmul_tc<BM, BN, S>(const half*, const half*, const half*, const half*, void*, \
                                                           int, int, int, int, int, int, float*, int*);
-TC(128, 128, 3) TC(128, 128, 4) TC(64, 128, 3) TC(64, 128, 8) TC(64, 32, 8)
+TC(128, 128, 3) TC(128, 144, 3) TC(128, 128, 4) TC(64, 128, 3) TC(64, 128, 8) TC(64, 32, 8)
 #define GEMV(MR, R) template __global__ void matmul_gemv<MR, R>(const half*, const half*, const half*, const half*, \
                                                                 void*, int, int, int, int, int, const half*, const half*, float);
 GEMV(1, 4) GEMV(1, 8)

@@ -311,7 +311,8 @@ def make_backend(device, dtype):
 
 cp = None  # cupy, imported when a CudaBackend is made
 KERNELS_CU = Path(__file__).with_name("kernels.cu")
-TC_SHAPES = ((128, 128, 3), (128, 128, 4), (64, 128, 3), (64, 128, 8), (64, 32, 8))  # matmul_tc<BM, BN, stages>
+# matmul_tc<BM, BN, stages>
+TC_SHAPES = ((128, 128, 3), (128, 144, 3), (128, 128, 4), (64, 128, 3), (64, 128, 8), (64, 32, 8))
 TEMPLATES = ([f"matmul_tc<{bm},{bn},{s}>" for bm, bn, s in TC_SHAPES] + ["matmul_gemv<1,4>", "matmul_gemv<1,8>"] +
              [f"matmul_skinny<{mt}>" for mt in (1, 2, 4, 8)] +
              [f"{k}<{t}>" for t in ("float", "half") for k in ("layernorm", "embed", "cache_write", "attention_rows")])
@@ -545,6 +546,11 @@ class CudaBackend:
             gn, bn, per_sm = _cdiv(N, 128), 128, 1
             if M > 64 and _cdiv(M, 128) * gn >= self.num_sms:
                 bm, stages = 128, 3
+                # 144-wide tiles where they take fewer rounds of two blocks per SM, a round costing about the tile
+                # width: 2048 x 2304 makes 288 tiles of 128 for 2 x 132 slots (two rounds) and 256 of 144 (one)
+                # (H200: 71 % of cupy.matmul against 54 %; 4096 x 2304 66 % against 60 %)
+                rounds = lambda bn: _cdiv(_cdiv(M, 128) * _cdiv(N, bn), 2 * self.num_sms) * bn
+                bn = 144 if rounds(144) < rounds(128) else 128
             elif _cdiv(M, 64) * gn >= self.num_sms:
                 bm, stages = (64, 3) if M <= 64 else (128, 4)
             else:
