@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from nanoinfer import LLM, LOOKAHEAD, Batch, GPTConfig, SamplingParams, expected_shapes
+from nanoinfer import LLM, Batch, GPTConfig, SamplingParams, expected_shapes
 from paged_kv import PagedKVCache
 
 SIZES = {"gpt2": (12, 12, 768), "gpt2-medium": (24, 16, 1024), "gpt2-large": (36, 20, 1280), "gpt2-xl": (48, 25, 1600)}
@@ -375,20 +375,18 @@ def bench_gpu(path, args, results):
                      anchor_name="PyTorch CUDA-graph step", target=4000))
     ref = time_transformers(str(path), one, 64, "cuda")
     lessons["transformers generate, single stream (tok/s)"] = ref
-    llm.cuda_graphs = False
-    lessons["CUDA graphs off: single stream tok/s (on: %.0f)" % tps] = time_generate(llm, one, 256)[0]
-    llm.cuda_graphs, llm.lookahead = True, 1
-    lessons["multi-step decoding off (one graph run per step, its tokens read before the next is launched): "
-            "single stream tok/s (on: %.0f)" % tps] = time_generate(llm, one, 256)[0]
-    llm.lookahead, llm.backend.fuse = LOOKAHEAD, False
-    llm._graphs.clear()
-    lessons["fusion off (layernorm, bias, GELU, residual as kernels of their own): single stream tok/s (on: %.0f)" % tps] = \
-        time_generate(llm, one, 256)[0]
-    llm.backend.fuse, llm.backend.pdl = True, False
-    llm._graphs.clear()
-    lessons["dependent launches off (each kernel in a graph starts only once the one before has finished): "
-            "single stream tok/s (on: %.0f)" % tps] = time_generate(llm, one, 256)[0]
-    llm.backend.pdl = True
+    for label, obj, switch, off in (  # one switch off at a time; the graphs are captured again without it
+            ("CUDA graphs off", llm, "cuda_graphs", False),
+            ("multi-step decoding off (one graph run per step, its tokens read before the next is launched)",
+             llm, "lookahead", 1),
+            ("fusion off (layernorm, bias, GELU, residual as kernels of their own)", llm.backend, "fuse", False),
+            ("dependent launches off (each kernel in a graph starts only once the one before has finished)",
+             llm.backend, "pdl", False)):
+        on = getattr(obj, switch)
+        setattr(obj, switch, off)
+        llm._graphs.clear()
+        lessons[f"{label}: single stream tok/s (on: {tps:.0f})"] = time_generate(llm, one, 256)[0]
+        setattr(obj, switch, on)
     llm._graphs.clear()
 
     # streaming: the first token comes long before the last; the work is the same
