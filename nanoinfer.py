@@ -549,7 +549,7 @@ class CudaBackend:
                 # 144-wide tiles where they take fewer rounds of two blocks per SM, a round costing about the tile
                 # width: 2048 x 2304 makes 288 tiles of 128 for 2 x 132 slots (two rounds) and 256 of 144 (one)
                 # (H200: 71 % of cupy.matmul against 54 %; 4096 x 2304 66 % against 60 %)
-                rounds = lambda bn: _cdiv(_cdiv(M, 128) * _cdiv(N, bn), 2 * self.num_sms) * bn
+                rounds = lambda width: _cdiv(_cdiv(M, 128) * _cdiv(N, width), 2 * self.num_sms) * width
                 bn = 144 if rounds(144) < rounds(128) else 128
             elif _cdiv(M, 64) * gn >= self.num_sms:
                 bm, stages = (64, 3) if M <= 64 else (128, 4)
