@@ -969,9 +969,8 @@ class LLM:
             if graph is None:
                 return self._eager_step(scheduled)
             seqs = [seq for seq, _ in scheduled]
-            steps = self._lookahead(seqs, 0)
-            graph.start([seq.token_ids[-1] for seq in seqs], *self._sampling_arrays(seqs)[:4],
-                        **self._run_rows(seqs, 0))
+            steps, rows = self._plan(seqs, 0)
+            graph.start([seq.token_ids[-1] for seq in seqs], *self._sampling_arrays(seqs)[:4], **rows)
             run = Run(graph, seqs, steps, *graph.launch(steps))
         # the next run can usually go on from where this one stops: launch it now, so that the GPU computes it
         # while the host turns this run's tokens into text
@@ -1001,11 +1000,12 @@ class LLM:
         return np.array([0 if s.finish_reason else min(s.params.max_tokens - s.num_output, c.n_ctx - len(s.token_ids))
                          - ahead for s in seqs]).clip(0)
 
-    def _lookahead(self, seqs, ahead):
-        """How many decode steps a graph run takes, `ahead` steps past the host's tokens: up to LOOKAHEAD, and no
-        more than the longest sequence may still take (a shorter one turns into padding after its last), with
-        every step's blocks free (reserved here). A sequence that stops early (EOS, a stop string) wastes the
-        steps after that; it never emits them. 0: not even one."""
+    def _plan(self, seqs, ahead):
+        """A graph run that starts `ahead` steps past the host's tokens: (steps, the per-row fields of
+        DecodeGraph._set_rows). Up to LOOKAHEAD steps, and no more than the longest sequence may still take (a
+        shorter one, or one that is done, is a padding row after its last), with every step's blocks free
+        (reserved here). A sequence that stops early (EOS, a stop string) wastes the steps after that; it never
+        emits them. 0 steps: not even one."""
         kv, left = self.kv, self._left(seqs, ahead)
         last = [len(s.token_ids) - 1 + ahead for s in seqs]  # the position each one's next step computes
         steps = int(min(self.lookahead, LOOKAHEAD, left.max()))
@@ -1015,17 +1015,11 @@ class LLM:
         for s, p, n in zip(seqs, last, left):
             if n:
                 kv.grow(s.seq_id, p + min(steps, n))
-        return steps
-
-    def _run_rows(self, seqs, ahead):
-        """The per-row fields of a graph run that starts `ahead` steps past the host's tokens (DecodeGraph._set_rows);
-        a sequence that is done is a padding row."""
-        left = self._left(seqs, ahead)
-        positions = np.where(left > 0, [len(s.token_ids) - 1 + ahead for s in seqs], 0)
-        tables = self.kv.block_table_array([s.seq_id for s in seqs])  # (S, max_blocks)
-        slots = np.where(left > 0, self.kv.slot_mapping(tables, np.arange(len(seqs)), positions), -1)
-        return dict(step=[s.num_output + ahead for s in seqs], remaining=left, positions=positions,
-                    slot_mapping=slots, block_tables=tables)
+        positions = np.where(left > 0, last, 0)
+        tables = kv.block_table_array([s.seq_id for s in seqs])  # (S, max_blocks)
+        slots = np.where(left > 0, kv.slot_mapping(tables, np.arange(len(seqs)), positions), -1)
+        return steps, dict(step=[s.num_output + ahead for s in seqs], remaining=left, positions=positions,
+                           slot_mapping=slots, block_tables=tables)
 
     def _carry_on(self, run):
         """The run after `run`, launched, if it can go on without the scheduler: multi-step decoding is on, no
@@ -1037,10 +1031,10 @@ class LLM:
         live = int((self._left(run.seqs, run.steps) > 0).sum())
         if not live or next(b for b in GRAPH_BUCKETS if b >= live) < run.graph.B:
             return None
-        steps = self._lookahead(run.seqs, run.steps)
+        steps, rows = self._plan(run.seqs, run.steps)
         if steps == 0:
             return None
-        run.graph.carry_on(**self._run_rows(run.seqs, run.steps))
+        run.graph.carry_on(**rows)
         return Run(run.graph, run.seqs, steps, *run.graph.launch(steps))
 
     def _collect(self, run):

@@ -1175,9 +1175,13 @@ def test_multi_step_decoding_changes_no_token(tiny):
     freed, while the others go on; every block is free at the end; fp32."""
     def run(stop=None, **kw):
         llm = LLM(str(tiny.path), device="cuda", dtype="float32", num_kv_tokens=4096, **kw)
-        runs = []  # (steps ahead of the host's tokens, steps in the run)
-        lookahead = llm._lookahead
-        llm._lookahead = lambda seqs, ahead: runs.append((ahead, lookahead(seqs, ahead))) or runs[-1][1]
+        runs, plan = [], llm._plan  # (steps ahead of the host's tokens, steps in the run)
+
+        def recorded_plan(seqs, ahead):
+            steps, rows = plan(seqs, ahead)
+            runs.append((ahead, steps))
+            return steps, rows
+        llm._plan = recorded_plan
         params = [SamplingParams(max_tokens=m, temperature=t, top_p=0.9, seed=i, ignore_eos=True,
                                  stop=stop if i == 0 else None)
                   for i, (m, t) in enumerate([(60, 0), (90, 1.0), (85, 0.8), (99, 0)])]
