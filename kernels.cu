@@ -194,7 +194,7 @@ template <int N> __device__ __forceinline__ void wgmma_commit_and_wait() {  // a
 // With fewer tiles than SMs a block has its SM alone: 4 or 8 stages, and the loop leaves one group of
 // wgmma running across the barrier, so the tensor cores do not wait for it (H200: 2048x768x3072 at 68 %
 // of cuBLAS, against 53 % with two 64-row blocks per SM; decode 256x768x768 8.6 us against 9.4 when every
-// step waits for its wgmma). Decode batches of 65-512 rows take 64-row tiles with 8 stages, 7 tiles in
+// step waits for its wgmma). Decode batches of 9-512 rows take 64-row tiles with 8 stages, 7 tiles in
 // flight, and tiles only BN = 32 wide while those fill no more than two blocks per SM, so that more SMs
 // share the work (the 32-wide wgmma, as cuBLAS's kernel for these shapes); K is also split across
 // blockIdx.z as in matmul_skinny below (H200, 256x768x3072: 15.8 us against 23.6 with 3 stages and no
@@ -478,31 +478,32 @@ __global__ void __launch_bounds__(256, R == 4 ? 4 : 2) matmul_gemv(const half* x
 }
 
 // ---------------------------------------------------------------------------------------------
-// matmul_skinny: the same y = epilogue(x @ w.T) for decode batches of 2 to 64 rows of x (M <= 8*MT), and
-// for the lm_head at any decode batch: its 50257 rows stream as fast here as through matmul_gemv.
+// matmul_skinny: the same y = epilogue(x @ w.T) for decode batches of 2 to 8 rows of x, and for the lm_head
+// of up to 8 rows: its 50257 rows stream as fast here as through matmul_gemv. From 9 rows on, matmul_tc's
+// 64 x 32 tiles win (H200, queued: 64x2304x768 6.5 us there, 12.7 here; 16 rows 5.3 against 5.5; 8 rows
+// 5.3 against 4.7).
 // Memory-bound: 2*M*N*K FLOPs over N*K*2 bytes of weights, which must stream at full bandwidth; a
-// 128-row tile would be mostly empty. A block owns 16 rows of w and uses the tensor cores with the
-// roles swapped: w is the mma's A (16 x k16), 8 rows of x are its B. A dot product does not care in
+// 64-row tile would be mostly empty. A block owns 16 rows of w and uses the tensor cores with the
+// roles swapped: w is the mma's A (16 x k16), the 8 rows of x are its B. A dot product does not care in
 // which order k is summed, so each thread feeds the mma the 8 consecutive k it fetched with one
 // 16-byte load (of w and of x, the same k for both) instead of the fragment layout's scattered pairs:
 // no shared memory on the way in, w read once. The block's 4 warps take interleaved 64-wide chunks of
-// K, each issuing the loads of U chunks before its first mma (bytes in flight hide HBM latency), and
+// K, each issuing the loads of 4 chunks before its first mma (bytes in flight hide HBM latency), and
 // add up their sums in shared memory. When N alone gives too few blocks (768 x 3072), K is also split
 // across blockIdx.y: partial sums go to `partial`, and the last block of each column (a counter in
 // global memory) adds them up and runs the epilogue (and resets the counter for the next launch).
-template <int MT>
-__global__ void __launch_bounds__(128) matmul_skinny(const half* x, const half* __restrict__ w,
-                                                     const half* __restrict__ bias, const half* residual,
-                                                     void* __restrict__ y, int M, int N, int K, int gelu, int y_f32,
-                                                     int k_per_split, float* partial, int* counters) {
-    constexpr int U = MT >= 4 ? 2 : 4;  // chunks per warp step: bytes in flight vs registers
+extern "C" __global__ void __launch_bounds__(128) matmul_skinny(const half* x, const half* __restrict__ w,
+                                                                const half* __restrict__ bias, const half* residual,
+                                                                void* __restrict__ y, int M, int N, int K, int gelu,
+                                                                int y_f32, int k_per_split, float* partial, int* counters) {
+    constexpr int U = 4;  // chunks per warp step
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3, n0 = blockIdx.x * 16;
     const int k_begin = blockIdx.y * k_per_split, k_end = min(K, k_begin + k_per_split);
     // rows past N read a valid row and compute garbage that is never stored
     const half* w0 = w + (long)min(n0 + g, N - 1) * K;
     const half* w1 = w + (long)min(n0 + g + 8, N - 1) * K;
     const uint4 zero = make_uint4(0, 0, 0, 0);
-    float acc[MT][4] = {};
+    float acc[4] = {};
     bool waited = false;
     for (int k = k_begin + warp * 64; k < k_end; k += 4 * 64 * U) {  // chunk u of this step: k + 256 u
         uint4 a0[U][2], a1[U][2];
@@ -518,69 +519,58 @@ __global__ void __launch_bounds__(128) matmul_skinny(const half* x, const half* 
         waited = true;
 #pragma unroll
         for (int u = 0; u < U; u++) {
-            uint4 xv[MT][2];  // all loads first: one L2 round trip per chunk, not one per token tile
+            uint4 xv[2];
 #pragma unroll
-            for (int mt = 0; mt < MT; mt++)
+            for (int hf = 0; hf < 2; hf++) {
+                int kk = k + 256 * u + 32 * hf + 8 * t;
+                xv[hf] = (kk < k_end && g < M) ? load16(x + (long)g * K + kk) : zero;
+            }
 #pragma unroll
-                for (int hf = 0; hf < 2; hf++) {
-                    int kk = k + 256 * u + 32 * hf + 8 * t, row = mt * 8 + g;
-                    xv[mt][hf] = (kk < k_end && row < M) ? load16(x + (long)row * K + kk) : zero;
-                }
-#pragma unroll
-            for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-                for (int hf = 0; hf < 2; hf++) {
-                    unsigned A0[4] = {a0[u][hf].x, a1[u][hf].x, a0[u][hf].y, a1[u][hf].y};
-                    unsigned A1[4] = {a0[u][hf].z, a1[u][hf].z, a0[u][hf].w, a1[u][hf].w};
-                    unsigned B0[2] = {xv[mt][hf].x, xv[mt][hf].y}, B1[2] = {xv[mt][hf].z, xv[mt][hf].w};
-                    mma16816(acc[mt], A0, B0);
-                    mma16816(acc[mt], A1, B1);
-                }
+            for (int hf = 0; hf < 2; hf++) {
+                unsigned A0[4] = {a0[u][hf].x, a1[u][hf].x, a0[u][hf].y, a1[u][hf].y};
+                unsigned A1[4] = {a0[u][hf].z, a1[u][hf].z, a0[u][hf].w, a1[u][hf].w};
+                unsigned B0[2] = {xv[hf].x, xv[hf].y}, B1[2] = {xv[hf].z, xv[hf].w};
+                mma16816(acc, A0, B0);
+                mma16816(acc, A1, B1);
+            }
         }
     }
     if (!waited) wait_for_inputs();  // a warp with no chunk of K
-    __shared__ float red[4][MT * 4][32];
+    __shared__ float red[4][4][32];
 #pragma unroll
-    for (int i = 0; i < MT * 4; i++) red[warp][i][lane] = acc[i / 4][i % 4];
+    for (int e = 0; e < 4; e++) red[warp][e][lane] = acc[e];
     __syncthreads();
-    // warp 0 finishes: acc[mt][e] is y[m = mt*8 + 2t + (e&1)][n = n0 + g + 8*(e>>1)]
+    // warp 0 finishes: acc[e] is y[m = 2t + (e&1)][n = n0 + g + 8*(e>>1)]
     if (warp == 0)
 #pragma unroll
-        for (int i = 0; i < MT * 4; i++) acc[i / 4][i % 4] = red[0][i][lane] + red[1][i][lane] + red[2][i][lane] + red[3][i][lane];
+        for (int e = 0; e < 4; e++) acc[e] = red[0][e][lane] + red[1][e][lane] + red[2][e][lane] + red[3][e][lane];
+    const int m0 = 2 * t;
     if (gridDim.y > 1) {
 #pragma unroll
-        for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                int m = mt * 8 + 2 * t + (e & 1), n = n0 + g + 8 * (e >> 1);
-                if (warp == 0 && m < M && n < N) partial[((long)blockIdx.y * M + m) * N + n] = acc[mt][e];
-            }
+        for (int e = 0; e < 4; e++) {
+            int m = m0 + (e & 1), n = n0 + g + 8 * (e >> 1);
+            if (warp == 0 && m < M && n < N) partial[((long)blockIdx.y * M + m) * N + n] = acc[e];
+        }
         if (!last_to_arrive(&counters[blockIdx.x], gridDim.y) || warp != 0) return;
         for (int sp = 0; sp < (int)gridDim.y; sp++)  // split-major: each split's loads all in flight at once
 #pragma unroll
-            for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    int m = mt * 8 + 2 * t + (e & 1), n = n0 + g + 8 * (e >> 1);
-                    float v = (m < M && n < N) ? __ldcg(&partial[((long)sp * M + m) * N + n]) : 0.f;
-                    acc[mt][e] = sp == 0 ? v : acc[mt][e] + v;
-                }
+            for (int e = 0; e < 4; e++) {
+                int m = m0 + (e & 1), n = n0 + g + 8 * (e >> 1);
+                float v = (m < M && n < N) ? __ldcg(&partial[((long)sp * M + m) * N + n]) : 0.f;
+                acc[e] = sp == 0 ? v : acc[e] + v;
+            }
     }
     if (warp != 0) return;
 #pragma unroll
-    for (int mt = 0; mt < MT; mt++)  // epilogue reads first, then the stores
+    for (int e = 0; e < 4; e++) {  // epilogue reads first, then the stores
+        int m = m0 + (e & 1), n = n0 + g + 8 * (e >> 1);
+        acc[e] = (m < M && n < N) ? epilogue(acc[e], bias, residual, gelu, m, n, N) : 0.f;
+    }
 #pragma unroll
-        for (int e = 0; e < 4; e++) {
-            int m = mt * 8 + 2 * t + (e & 1), n = n0 + g + 8 * (e >> 1);
-            acc[mt][e] = (m < M && n < N) ? epilogue(acc[mt][e], bias, residual, gelu, m, n, N) : 0.f;
-        }
-#pragma unroll
-    for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-            int m = mt * 8 + 2 * t + (e & 1), n = n0 + g + 8 * (e >> 1);
-            if (m < M && n < N) store_y(y, (long)m * N + n, acc[mt][e], y_f32);
-        }
+    for (int e = 0; e < 4; e++) {
+        int m = m0 + (e & 1), n = n0 + g + 8 * (e >> 1);
+        if (m < M && n < N) store_y(y, (long)m * N + n, acc[e], y_f32);
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1125,9 +1115,6 @@ TC(128, 128, 3) TC(128, 144, 3) TC(128, 128, 4) TC(64, 128, 3) TC(64, 128, 8) TC
 #define GEMV(MR, R) template __global__ void matmul_gemv<MR, R>(const half*, const half*, const half*, const half*, \
                                                                 void*, int, int, int, int, int, const half*, const half*, float);
 GEMV(1, 4) GEMV(1, 8)
-#define SKINNY(MT) template __global__ void matmul_skinny<MT>(const half*, const half*, const half*, const half*, \
-                                                            void*, int, int, int, int, int, int, float*, int*);
-SKINNY(1) SKINNY(2) SKINNY(4) SKINNY(8)
 #define PER_TYPE(T)                                                                                           \
     template __global__ void layernorm<T>(const T*, const T*, const T*, T*, int, int, float);                 \
     template __global__ void embed<T>(const T*, const T*, const int*, const int*, T*, int);                   \

@@ -314,13 +314,12 @@ KERNELS_CU = Path(__file__).with_name("kernels.cu")
 # matmul_tc<BM, BN, stages>
 TC_SHAPES = ((128, 128, 3), (128, 144, 3), (128, 128, 4), (64, 128, 3), (64, 128, 8), (64, 32, 8))
 TEMPLATES = ([f"matmul_tc<{bm},{bn},{s}>" for bm, bn, s in TC_SHAPES] + ["matmul_gemv<1,4>", "matmul_gemv<1,8>"] +
-             [f"matmul_skinny<{mt}>" for mt in (1, 2, 4, 8)] +
              [f"{k}<{t}>" for t in ("float", "half") for k in ("layernorm", "embed", "cache_write", "attention_rows")])
-PLAIN = ["matmul_f32", "attention_prefill", "sample_tokens", "decode_advance"]
+PLAIN = ["matmul_f32", "matmul_skinny", "attention_prefill", "sample_tokens", "decode_advance"]
 SPLITK_SCRATCH = 1 << 22  # floats of split-K partial sums (16 MB), enough for every GPT-2 decode shape
 GEMV_LIGHT = 8 << 20  # single-stream matrices up to this many bytes take matmul_gemv<1,4> (4 blocks per SM)
 GEMV_SMEM = 224 * 1024  # matmul_gemv keeps x in shared memory: K * 2 bytes at most
-SKINNY_MAX_M = 64     # larger decode batches stream the weights through the tensor cores (matmul_skinny)
+SKINNY_MAX_M = 8      # decode batches up to this many rows stream the weights through matmul_skinny
 PREFILL_MIN_Q = 16    # fp16 sequences with this many queries in a step use the tensor-core attention
 SAMPLE_SMEM = 200 * 1024 + 4 * 1024  # sample_tokens caches a row's p in shared memory up to V = 52224
 _kernels = None       # compiled once per process (and cached on disk by CuPy across processes)
@@ -524,25 +523,24 @@ class CudaBackend:
             light = N * K * 2 <= GEMV_LIGHT  # 4 loads per lane per round leave room for the next kernel's blocks
             self.launch(f"matmul_gemv<1,{4 if light else 8}>", (blocks,), (256,),
                         args + (np.int32(f32), ln_w, ln_b, np.float32(eps)), shared_mem=K * 2)
-        elif M <= 16 or (M <= SKINNY_MAX_M and _cdiv(N, 128) < self.num_sms):
-            # decode: stream w (each block re-reads all of x, so for M > 16 only while the tiled
-            # kernel would leave SMs idle; the 64 x 50257 lm_head goes to the tiles)
-            mt = 1 if M <= 8 else 2 if M <= 16 else 4 if M <= 32 else 8
-            blocks_n, chunks = _cdiv(N, 16), _cdiv(K, 64)
-            # >= 16 chunks of 64 per split (4 per warp) and, for larger M, no more partial-sum traffic than
-            # the weights themselves
-            splits, k_per_split = self._split_k(blocks_n, 2, K, min(chunks // 16, K // (4 * M)), M * N)
-            self.launch(f"matmul_skinny<{mt}>", (blocks_n, splits), (128,),
+        elif M <= SKINNY_MAX_M:
+            # small decode batches: stream w through the tensor cores, 16 rows of w per block, K split in
+            # >= 16 chunks of 64 (4 per warp) where the rows alone leave SMs idle (from 9 rows on, the 64 x 32
+            # tiles below win: H200, 64 x 2304 x 768 in 6.5 us against 12.7; a batch of 64 decoded 86-94,000
+            # tokens/s against 63-67,000)
+            blocks_n = _cdiv(N, 16)
+            splits, k_per_split = self._split_k(blocks_n, 2, K, _cdiv(K, 64) // 16, M * N)
+            self.launch("matmul_skinny", (blocks_n, splits), (128,),
                         args + (np.int32(f32), np.int32(k_per_split), self._partial, self._counters))
         else:
             # prefill, when the 128-row tiles fill the SMs: 3 stages, two blocks per SM. Fewer tiles than SMs: a
             # block has its SM alone, so more stages, with a wgmma group left running across the barrier; 128-row
             # tiles while the 64-row ones would fill the SMs (H200, against cupy.matmul: 2048 x 768 x 3072 at 68 %,
-            # against 53 % with two 64-row blocks per SM). Decode batches of 65-512 rows: 64 x 32 tiles while they
+            # against 53 % with two 64-row blocks per SM). Decode batches of 9-512 rows: 64 x 32 tiles while they
             # make no more than two blocks per SM, else 64 x 128, 8 stages, and K split in >= 12 tiles of 64
             # (partial sums go as float4s: N % 4 == 0). cuBLAS's kernel at 256 x 768 x 768 uses 64 x 32 tiles
             # too: more blocks, each with less to do one k-step after another (H200: 5.3 us, against 8.5 with
-            # 64 x 128 tiles and 4.5 for cuBLAS). The lm_head of a 17-64 batch: 64 rows, three blocks per SM.
+            # 64 x 128 tiles and 4.5 for cuBLAS). The lm_head of a 9-64 batch: 64 rows, three blocks per SM.
             gn, bn, per_sm = _cdiv(N, 128), 128, 1
             if M > 64 and _cdiv(M, 128) * gn >= self.num_sms:
                 bm, stages = 128, 3

@@ -907,11 +907,11 @@ def test_matmul(be, M, N, K, epi):
 
 
 @NO_GPU
-@pytest.mark.parametrize("M", [1, 64, 200])
+@pytest.mark.parametrize("M", [1, 8, 64, 200])
 def test_matmul_lm_head_shape_and_repeat(be, M):
     """The lm_head shape (V = 50257, an odd N) is right, its fp32 logits come from the fp32 accumulator (not an
     fp16 result widened), and a split-K matmul run twice repeats bit for bit (its counters reset themselves;
-    M = 64 splits K in matmul_skinny, M = 200 in matmul_tc)."""
+    M = 8 splits K in matmul_skinny, M = 64 and 200 in matmul_tc)."""
     dt = be.dtype.type
     x = to_gpu(rng.standard_normal((M, 768)), dt)
     w = to_gpu(rng.standard_normal((50257, 768)) / math.sqrt(768), dt)
@@ -1150,8 +1150,8 @@ def test_cuda_graphs_change_no_token(tiny):
 def test_dependent_launches_change_no_token(which, request):
     """Graph steps whose kernels may start before the kernel before them has finished (programmatic dependent
     launch: each reads its inputs only after griddepcontrol.wait, and never through the non-coherent cache) give
-    exactly the tokens of graphs whose kernels wait for each other: fp16, one stream and then 20 at once (the
-    gemv and the skinny matmuls), so the kernels and their plans are the same either way and
+    exactly the tokens of graphs whose kernels wait for each other: fp16, one stream, 6 at once and 20 at once (the
+    gemv, the skinny and the 64-row tiled matmuls), so the kernels and their plans are the same either way and
     an input read too early, or stale, shows as a different token."""
     rng = np.random.default_rng(2)
     batch = [rng.integers(0, 50256, n).tolist() for n in rng.integers(1, 40, 20)]
@@ -1159,9 +1159,10 @@ def test_dependent_launches_change_no_token(which, request):
     for pdl in (False, True):
         llm = LLM(str(request.getfixturevalue(which).path), device="cuda", dtype="float16", num_kv_tokens=4096)
         llm.backend.pdl = pdl
+        greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
         outs = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)) + \
-            llm.generate(batch, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
-        assert {1, 32} <= set(llm._graphs), f"graphs captured: {sorted(llm._graphs)}"
+            llm.generate(batch[:6], greedy) + llm.generate(batch, greedy)
+        assert {1, 8, 32} <= set(llm._graphs), f"graphs captured: {sorted(llm._graphs)}"
         tokens[pdl] = [o.token_ids for o in outs]
     assert tokens[True] == tokens[False]
 
