@@ -218,7 +218,7 @@ __global__ void __launch_bounds__(BM * 2, 256 / BM) matmul_tc(const half* x, con
     const int col = tid & 7, r0 = tid >> 3;  // this thread's chunk of K, and its first row
     const unsigned dst = ((r0 * 8 + (col ^ (r0 & 7))) << 4);  // RSTEP is a multiple of 8: same swizzle every row
 
-    auto load_tile = [&](int stage, int kt) {
+    auto load_x = [&](int stage, int kt) {
         const int k = (kt0 + kt) * BK + col * 8;
         const unsigned base = smem + stage * STAGE_BYTES + dst;
 #pragma unroll
@@ -227,6 +227,10 @@ __global__ void __launch_bounds__(BM * 2, 256 / BM) matmul_tc(const half* x, con
             bool ok = row < M && k < K;
             cp_async16(base + i * RSTEP * 128, x + (ok ? (long)row * K + k : 0), ok);
         }
+    };
+    auto load_w = [&](int stage, int kt) {
+        const int k = (kt0 + kt) * BK + col * 8;
+        const unsigned base = smem + stage * STAGE_BYTES + dst;
 #pragma unroll
         for (int i = 0; i < (BN + RSTEP - 1) / RSTEP; i++) {
             if (BN % RSTEP && r0 + i * RSTEP >= BN) break;  // BN = 144: the last 16 rows, by half the threads
@@ -239,9 +243,11 @@ __global__ void __launch_bounds__(BM * 2, 256 / BM) matmul_tc(const half* x, con
     // with 4 or more stages one group of wgmma stays in flight across the barrier, and the loads run LAG tiles
     // less far ahead: the stage they refill must be one that no running wgmma still reads
     constexpr int LAG = STAGES >= 4 ? 1 : 0, AHEAD = STAGES - 1 - LAG;
+    for (int s = 0; s < AHEAD; s++)  // the first tiles' weights go out before the wait (no kernel writes them)
+        if (s < ktiles) load_w(s, s);
     wait_for_inputs();
-    for (int s = 0; s < AHEAD; s++) {
-        if (s < ktiles) load_tile(s, s);
+    for (int s = 0; s < AHEAD; s++) {  // (the first group carries those weights too)
+        if (s < ktiles) load_x(s, s);
         cp_async_commit();
     }
     const int wg = tid / 128;
@@ -252,7 +258,10 @@ __global__ void __launch_bounds__(BM * 2, 256 / BM) matmul_tc(const half* x, con
         cp_async_wait<AHEAD - 1>();
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // cp.async's writes, visible to wgmma's reads
         __syncthreads();  // tile kt has landed; the stage refilled next was last read by group kt - 1 - LAG, retired
-        if (kt + AHEAD < ktiles) load_tile((kt + AHEAD) % STAGES, kt + AHEAD);
+        if (kt + AHEAD < ktiles) {
+            load_x((kt + AHEAD) % STAGES, kt + AHEAD);
+            load_w((kt + AHEAD) % STAGES, kt + AHEAD);
+        }
         cp_async_commit();
         const unsigned a = smem + (kt % STAGES) * STAGE_BYTES + wg * 64 * 128;  // this warpgroup's 64 rows of x
         const unsigned b = smem + (kt % STAGES) * STAGE_BYTES + A_BYTES;        // the BN rows of w
