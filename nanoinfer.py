@@ -874,7 +874,7 @@ LOOKAHEAD = 16  # decode steps one graph run may take (multi-step decoding)
 
 class LLM:
     def __init__(self, model, device="auto", dtype=None, block_size=16, max_num_seqs=256,
-                 max_num_batched_tokens=8192, num_kv_tokens=None, gpu_memory_utilization=0.9, seed=0,
+                 max_num_batched_tokens=16384, num_kv_tokens=None, gpu_memory_utilization=0.9, seed=0,
                  cuda_graphs=True, fused=True):
         path = resolve_model(model)
         self.config = c = load_config(path)
@@ -893,7 +893,8 @@ class LLM:
         self.kv = PagedKVCache(self.backend, c.n_layer, c.n_head, c.head_dim, num_blocks, block_size)
         # a step's token budget: a prefill step pays ~2.5 ms of host time launching its ~110 kernels one by one,
         # so larger steps take fewer of them (H200, the offline workload: 73-84k tokens/s with 2048, 89-90k with
-        # 8192, 91-94k with 16384), while each one stalls the running decodes for longer
+        # 8192, 91-94k with 16384, vLLM's default for its LLM class on H100/H200), while each one stalls the
+        # running decodes for longer
         self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens)
         self._rng = np.random.default_rng(seed)  # seeds for requests that bring none
         self._next_id = 0
