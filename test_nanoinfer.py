@@ -118,6 +118,9 @@ def write_checkpoint(path, seed, n_layer=2, n_head=2, n_embd=128, n_positions=12
     with torch.no_grad():
         for block in model.transformer.h:
             block.attn.c_attn.weight.mul_(3.0)  # sharper attention: the context matters more
+        for ln in [b.ln_1 for b in model.transformer.h] + [b.ln_2 for b in model.transformer.h[:-1]]:
+            ln.weight.copy_(1.0 + 0.2 * torch.randn(C))  # not the identity HF starts from: gain and bias are tested
+            ln.bias.copy_(0.1 * torch.randn(C))
         mlp = model.transformer.h[-1].mlp
         mlp.c_fc.weight.copy_(torch.randn(C, 4 * C) * (4.0 / math.sqrt(C)))
         mlp.c_fc.bias.fill_(-2.25 * 4.0)
