@@ -31,6 +31,8 @@ __device__ __forceinline__ uint4 load16_stream(const void* p) {
         : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
     return r;
 }
+// a small weight used only at the end of a kernel: into L1 before the wait, no registers held for it
+__device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefetch.global.L1 [%0];" :: "l"(p)); }
 
 // Programmatic dependent launch (sm_90). In a CUDA graph the engine launches every kernel so that it may
 // start while the kernel before it is still running (nanoinfer.py, CudaBackend.launch). Until it calls
@@ -377,10 +379,11 @@ __global__ void __launch_bounds__(256, R == 4 ? 4 : 2) matmul_gemv(const half* x
             if (k < K) buf[j] = load16_stream(row + k);
         }
     };
-    uint4 wa[R], wb[R];
+    uint4 wa[R], wb[R], gw, gb;
     load(wa, 0);
     load(wb, 1);
-    wait_for_inputs();  // in a graph the first weights are already on their way while the kernel before finishes
+    if (ln_w && threadIdx.x * 8 < K) { gw = load16(ln_w + threadIdx.x * 8); gb = load16(ln_b + threadIdx.x * 8); }
+    wait_for_inputs();  // in a graph the first weights (and the layernorm's) are on their way while the kernel before finishes
 
     if (!ln_w) {  // prologue: the block stages x (M, K) in shared memory while the weights are on their way
         for (int i = threadIdx.x * 8; i < M * K; i += 256 * 8) store16(xs + i, load16(x + i));
@@ -388,9 +391,7 @@ __global__ void __launch_bounds__(256, R == 4 ? 4 : 2) matmul_gemv(const half* x
         __shared__ float red[8][MR];
         const int k = threadIdx.x * 8;
         const bool mine = k < K;
-        uint4 gw, gb;
         float s[MR];
-        if (mine) { gw = load16(ln_w + k); gb = load16(ln_b + k); }
 #pragma unroll
         for (int m = 0; m < MR; m++) {
             s[m] = 0.f;
@@ -623,9 +624,18 @@ extern "C" __global__ void __launch_bounds__(256) matmul_f32(const float* x, con
 // mean first, then the centred sum of squares (no cancellation).
 template <typename T>
 __global__ void __launch_bounds__(128) layernorm(const T* x, const T* w, const T* b, T* y, int rows, int C, float eps) {
-    wait_for_inputs();
     constexpr int VEC = 16 / sizeof(T), NV = 64 / VEC;
     const int row = blockIdx.x * 4 + threadIdx.x / 32, lane = threadIdx.x % 32;
+    // the gain and bias go to L1 before the wait (no kernel writes them): in a decode graph their trip to HBM
+    // overlaps the kernel before, instead of following the statistics (H200: batch 8 decodes 3.5 % faster)
+#pragma unroll
+    for (int i = 0; i < NV; i++) {
+        int c = (i * 32 + lane) * VEC;
+        if (c >= C) break;
+        prefetch_l1(w + c);
+        prefetch_l1(b + c);
+    }
+    wait_for_inputs();
     if (row >= rows) return;
     const long off = (long)row * C;
     float v[NV][VEC];
