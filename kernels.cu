@@ -1135,6 +1135,15 @@ extern "C" __global__ void decode_advance(const int* tokens, int* input_ids, int
     slot_mapping[i] = blk < max_blocks ? block_tables[(long)i * max_blocks + blk] * block_size + pos % block_size : -1;
 }
 
+// ---------------------------------------------------------------------------------------------
+// take_rows: out[i] = src[rows[i]] for i < n. When the decode rows that go on fit a smaller CUDA graph, their
+// next input tokens, which decode_advance left on the GPU, move into that graph's buffer with this, so the
+// host need not wait for them. Tiny: one thread per row (n <= 256).
+extern "C" __global__ void take_rows(const int* src, const int* rows, int* out, int n) {
+    const int i = threadIdx.x;
+    if (i < n) out[i] = src[rows[i]];
+}
+
 // nvcc (CI) compiles every instantiation NVRTC gets through name_expressions, so ptxas sees them all
 #ifndef __CUDACC_RTC__
 #define TC(BM, BN, S) template __global__ void matmul_tc<BM, BN, S>(const half*, const half*, const half*, const half*, void*, \

@@ -315,7 +315,7 @@ KERNELS_CU = Path(__file__).with_name("kernels.cu")
 TC_SHAPES = ((128, 128, 3), (128, 144, 3), (128, 128, 4), (64, 128, 3), (64, 128, 8), (64, 32, 8))
 TEMPLATES = ([f"matmul_tc<{bm},{bn},{s}>" for bm, bn, s in TC_SHAPES] + ["matmul_gemv<1,4>", "matmul_gemv<1,8>"] +
              [f"{k}<{t}>" for t in ("float", "half") for k in ("layernorm", "embed", "cache_write", "attention_rows")])
-PLAIN = ["matmul_f32", "matmul_skinny", "attention_prefill", "sample_tokens", "decode_advance"]
+PLAIN = ["matmul_f32", "matmul_skinny", "attention_prefill", "sample_tokens", "decode_advance", "take_rows"]
 SPLITK_SCRATCH = 1 << 22  # floats of split-K partial sums (16 MB), enough for every GPT-2 decode shape
 GEMV_LIGHT = 8 << 20  # single-stream matrices up to this many bytes take matmul_gemv<1,4> (4 blocks per SM)
 GEMV_SMEM = 224 * 1024  # matmul_gemv keeps x in shared memory: K * 2 bytes at most
@@ -795,6 +795,14 @@ class DecodeGraph:
         tables[:] = 0
         tables[:n, :block_tables.shape[1]] = block_tables
 
+    def take_inputs(self, backend, other, rows, after):
+        """Each row's input token is graph `other`'s row `rows[i]`, once its launches up to event `after` are done:
+        gathered on the GPU, where they left it, so the host need not wait for them."""
+        self.stream.wait_event(after)
+        with self.stream:
+            backend.launch("take_rows", (1,), (len(rows),), (other.d["input_ids"], cp.asarray(rows, np.int32),
+                                                             self.d["input_ids"], np.int32(len(rows))))
+
     def carry_on(self, **rows):
         """Let the next launches go on from where the launched ones stop: the GPU has each row's next input
         token; the host rewrites the rest (blocks added since, rows that are done now padding); stream-ordered."""
@@ -885,7 +893,7 @@ class LLM:
         self.lookahead = LOOKAHEAD  # decode steps per graph run; 1 turns multi-step decoding off
         self._inflight = None  # a graph run launched and not yet turned into tokens
         self._free_later = []  # finished sequences whose blocks a launched run may still write
-        self._graphs = {}  # batch-size bucket -> DecodeGraph, captured on first use
+        self._graphs = {}  # batch-size bucket -> DecodeGraph
         self.model = GPT(c, load_weights(path, c), self.backend)
         if num_kv_tokens is None:
             num_kv_tokens = self._kv_tokens_that_fit(gpu_memory_utilization)
@@ -898,6 +906,10 @@ class LLM:
         self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens)
         self._rng = np.random.default_rng(seed)  # seeds for requests that bring none
         self._next_id = 0
+        for B in GRAPH_BUCKETS if self.cuda_graphs else ():  # captured up front, as serving engines do: a request
+            self._graph(B)                                   # never waits for one (H200: ~6 ms each for GPT-2)
+            if B >= max_num_seqs:
+                break
 
     def _kv_tokens_that_fit(self, fraction):
         """On the GPU: what the fraction of its memory leaves after the weights. On the CPU: 1 GiB."""
@@ -1024,20 +1036,29 @@ class LLM:
                            slot_mapping=slots, block_tables=tables)
 
     def _carry_on(self, run):
-        """The run after `run`, launched, if it can go on without the scheduler: multi-step decoding is on, no
-        request waits for a free seat, and enough of the sequences go on that no smaller graph would do (the
-        ones that are done become padding). Else None."""
+        """The run after `run`, launched, if it can go on without the scheduler: multi-step decoding is on and no
+        request waits for a free seat. The sequences that go on keep their graph (the ones that are done become
+        padding) or, when they fit a smaller one, move there with their input tokens gathered on the GPU, so the
+        GPU does not idle while the host reads this run (H200, offline: 98,700-98,800 tokens/s against 97,700-97,800
+        when each move waited for the host; with those waits, 21 buckets ran 92-93,000 against 97,000 with 9). Else
+        None."""
         s = self.scheduler
         if self.lookahead == 1 or (s.waiting and len(s.running) < s.max_num_seqs):
             return None
-        live = int((self._left(run.seqs, run.steps) > 0).sum())
-        if not live or next(b for b in GRAPH_BUCKETS if b >= live) < run.graph.B:
+        live = np.flatnonzero(self._left(run.seqs, run.steps))  # the rows that go on
+        if not len(live):
             return None
-        steps, rows = self._plan(run.seqs, run.steps)
+        graph = self._graph(len(live))
+        seqs = run.seqs if graph is run.graph else [run.seqs[i] for i in live]
+        steps, rows = self._plan(seqs, run.steps)
         if steps == 0:
             return None
-        run.graph.carry_on(**rows)
-        return Run(run.graph, run.seqs, steps, *run.graph.launch(steps))
+        if graph is run.graph:
+            graph.carry_on(**rows)
+        else:
+            graph.start(np.zeros(len(seqs), np.int32), *self._sampling_arrays(seqs)[:4], **rows)
+            graph.take_inputs(self.backend, run.graph, live, run.done)
+        return Run(graph, seqs, steps, *graph.launch(steps))
 
     def _collect(self, run):
         """Wait for a graph run's tokens and hand them to their sequences; one that finishes drops the rest, and
@@ -1070,6 +1091,10 @@ class LLM:
         if not self.cuda_graphs or n > GRAPH_BUCKETS[-1] or \
                 any(k != 1 or s.num_uncomputed != 1 or s.logprobs is not None for s, k in scheduled):
             return None
+        return self._graph(n)
+
+    def _graph(self, n):
+        """The DecodeGraph of the smallest bucket that holds n rows (captured again after a switch cleared them)."""
         B = next(b for b in GRAPH_BUCKETS if b >= n)
         if B not in self._graphs:
             self._graphs[B] = DecodeGraph(self.model, self.kv, B)

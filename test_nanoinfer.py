@@ -1162,6 +1162,7 @@ def test_dependent_launches_change_no_token(which, request):
     for pdl in (False, True):
         llm = LLM(str(request.getfixturevalue(which).path), device="cuda", dtype="float16", num_kv_tokens=4096)
         llm.backend.pdl = pdl
+        llm._graphs.clear()  # captured at start, with dependent launches on
         greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
         outs = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)) + \
             llm.generate(batch[:6], greedy) + llm.generate(batch, greedy)
