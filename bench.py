@@ -384,10 +384,10 @@ def bench_gpu(path, args, results):
              llm.backend, "pdl", False)):
         on = getattr(obj, switch)
         setattr(obj, switch, off)
-        llm._graphs.clear()
+        llm.capture_graphs()
         lessons[f"{label}: single stream tok/s (on: {tps:.0f})"] = time_generate(llm, one, 256)[0]
         setattr(obj, switch, on)
-    llm._graphs.clear()
+    llm.capture_graphs()  # every bucket, before the timed runs below
 
     # streaming: the first token comes long before the last; the work is the same
     t0, first = time.perf_counter(), None

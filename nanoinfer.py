@@ -721,13 +721,13 @@ class DecodeGraph:
     cost one launch instead of ~7 us of Python and driver time each. A graph freezes every pointer and scalar
     it was captured with, so the step's inputs live in one fixed buffer (a step costs one host-to-device copy),
     attention is planned for the longest context (its kernels stop at each row's real length), unused rows
-    are padding (cache slot -1, never written), and the activations come from a private memory pool that
-    nothing else allocates from, so their addresses stay the graph's. The step ends by turning its sampled
+    are padding (cache slot -1, never written), and the activations come from a memory pool that only the
+    graphs allocate from (they share it: on one stream, they never run at once), so their addresses stay theirs. The step ends by turning its sampled
     tokens into the next step's inputs on the GPU (decode_advance), so it can be replayed several times in
     a row, each step's tokens kept in a ring of history rows: the host's work for a step, and its wait for
     the tokens, are paid once per run of steps."""
 
-    def __init__(self, model, kv, B):
+    def __init__(self, model, kv, B, stream, pool):
         be, c = model.backend, model.config
         self.B, max_blocks = B, kv.blocks_needed(c.n_ctx)
         fields = [("seed", 2 * B), ("temperature", B), ("top_p", B), ("top_k", B), ("input_ids", B), ("substep", 1),
@@ -735,8 +735,11 @@ class DecodeGraph:
                   ("step", B), ("remaining", B), ("positions", B), ("context_lens", B), ("slot_mapping", B),
                   ("block_tables", B * max_blocks)]
         self.host = np.zeros(sum(n for _, n in fields), np.int32)  # (all fields,) in one int32 buffer
-        self.pool = cp.cuda.MemoryPool()
-        with cp.cuda.using_allocator(self.pool.malloc):
+        self.stream = stream
+        # the graphs' stream does not wait for the default stream, where the weights and the cache were made (a
+        # warm-up step once read this graph's row plan before it was written): from here on, all in stream order
+        cp.cuda.Device().synchronize()
+        with stream:
             self.dev = cp.zeros_like(self.host)
             self.history = cp.zeros((2 * LOOKAHEAD, B), np.int32)  # a ring: one run's tokens while the next runs
             self.h, self.d, self.offset, start = {}, {}, {}, 0
@@ -749,10 +752,11 @@ class DecodeGraph:
                 context_lens=self.d["context_lens"], block_tables=self.d["block_tables"].reshape(B, max_blocks),
                 cu_seqlens_q=arange, logits_idx=None, n_rows=B, max_row_len=c.n_ctx, row_q=arange[:B],
                 row_seq=arange[:B], row_len=self.d["context_lens"], n_tiles=0, tile_seq=arange[:0], tile_q0=arange[:0])
-            self.stream = cp.cuda.Stream(non_blocking=True)
             self.start([], [], [], [], [], step=[], remaining=[], positions=[], slot_mapping=[],
                        block_tables=np.zeros((0, 1), np.int32))
-            with self.stream:
+            # the step's activations, and only they, come from the pool the graphs share: what one graph leaves free
+            # there, the next one captured may take (a buffer kept from one step to the next, above, must not)
+            with cp.cuda.using_allocator(pool.malloc):
                 self._step(model, kv)  # warm-up: the first launches and allocations stay out of the capture
                 self.stream.synchronize()
                 self.graph = be.capture(self.stream, lambda: self._step(model, kv))
@@ -795,10 +799,9 @@ class DecodeGraph:
         tables[:] = 0
         tables[:n, :block_tables.shape[1]] = block_tables
 
-    def take_inputs(self, backend, other, rows, after):
-        """Each row's input token is graph `other`'s row `rows[i]`, once its launches up to event `after` are done:
-        gathered on the GPU, where they left it, so the host need not wait for them."""
-        self.stream.wait_event(after)
+    def take_inputs(self, backend, other, rows):
+        """Each row's input token is graph `other`'s row `rows[i]` (after its launches: one stream), gathered on the
+        GPU, where they left it, so the host need not wait for them."""
         with self.stream:
             backend.launch("take_rows", (1,), (len(rows),), (other.d["input_ids"], cp.asarray(rows, np.int32),
                                                              self.d["input_ids"], np.int32(len(rows))))
@@ -893,7 +896,6 @@ class LLM:
         self.lookahead = LOOKAHEAD  # decode steps per graph run; 1 turns multi-step decoding off
         self._inflight = None  # a graph run launched and not yet turned into tokens
         self._free_later = []  # finished sequences whose blocks a launched run may still write
-        self._graphs = {}  # batch-size bucket -> DecodeGraph
         self.model = GPT(c, load_weights(path, c), self.backend)
         if num_kv_tokens is None:
             num_kv_tokens = self._kv_tokens_that_fit(gpu_memory_utilization)
@@ -906,10 +908,20 @@ class LLM:
         self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens)
         self._rng = np.random.default_rng(seed)  # seeds for requests that bring none
         self._next_id = 0
-        for B in GRAPH_BUCKETS if self.cuda_graphs else ():  # captured up front, as serving engines do: a request
-            self._graph(B)                                   # never waits for one (H200: ~6 ms each for GPT-2)
-            if B >= max_num_seqs:
-                break
+        # the graphs share one stream, so they never run at once, and so one memory pool for their activations
+        self._graph_memory = (cp.cuda.Stream(non_blocking=True), cp.cuda.MemoryPool()) if self.backend.name == "cuda" \
+            else None
+        self.capture_graphs()
+
+    def capture_graphs(self):
+        """A CUDA graph for each bucket up to max_num_seqs, captured up front as serving engines do, so that no
+        request waits for one (H200: ~6 ms each for GPT-2); the largest first, whose activations the smaller ones
+        then reuse. Called again after a switch that changes what a step launches (pdl, fuse)."""
+        self._graphs = {}  # batch-size bucket -> DecodeGraph
+        m = self.scheduler.max_num_seqs
+        needed = [b for b in GRAPH_BUCKETS if b < m] + [b for b in GRAPH_BUCKETS if b >= m][:1]
+        for B in reversed(needed if self.cuda_graphs else []):
+            self._graph(B)
 
     def _kv_tokens_that_fit(self, fraction):
         """On the GPU: what the fraction of its memory leaves after the weights. On the CPU: 1 GiB."""
@@ -1057,7 +1069,7 @@ class LLM:
             graph.carry_on(**rows)
         else:
             graph.start(np.zeros(len(seqs), np.int32), *self._sampling_arrays(seqs)[:4], **rows)
-            graph.take_inputs(self.backend, run.graph, live, run.done)
+            graph.take_inputs(self.backend, run.graph, live)
         return Run(graph, seqs, steps, *graph.launch(steps))
 
     def _collect(self, run):
@@ -1094,10 +1106,10 @@ class LLM:
         return self._graph(n)
 
     def _graph(self, n):
-        """The DecodeGraph of the smallest bucket that holds n rows (captured again after a switch cleared them)."""
+        """The DecodeGraph of the smallest bucket that holds n rows, captured now if it was not yet."""
         B = next(b for b in GRAPH_BUCKETS if b >= n)
         if B not in self._graphs:
-            self._graphs[B] = DecodeGraph(self.model, self.kv, B)
+            self._graphs[B] = DecodeGraph(self.model, self.kv, B, *self._graph_memory)
         return self._graphs[B]
 
     @staticmethod

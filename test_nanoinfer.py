@@ -1162,13 +1162,47 @@ def test_dependent_launches_change_no_token(which, request):
     for pdl in (False, True):
         llm = LLM(str(request.getfixturevalue(which).path), device="cuda", dtype="float16", num_kv_tokens=4096)
         llm.backend.pdl = pdl
-        llm._graphs.clear()  # captured at start, with dependent launches on
+        llm.capture_graphs()  # captured at start, with dependent launches on
         greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
         outs = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)) + \
             llm.generate(batch[:6], greedy) + llm.generate(batch, greedy)
         assert {1, 8, 32} <= set(llm._graphs), f"graphs captured: {sorted(llm._graphs)}"
         tokens[pdl] = [o.token_ids for o in outs]
     assert tokens[True] == tokens[False]
+
+
+GRAPH_ON_A_BUSY_GPU = """
+import numpy as np, cupy as cp, nanoinfer
+from nanoinfer import LLM, SamplingParams
+make = lambda: LLM({path!r}, device="cuda", dtype="float32", num_kv_tokens=4096, max_num_seqs=8)
+prompts, greedy = [[464, 2068, 7586], [15496, 11], [40, 716, 257, 3303]], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+want = [o.token_ids for o in make().generate(prompts, greedy)]
+busy = cp.empty(1 << 29, np.uint8)
+junk = cp.full(1 << 28, 0x7F7F7F7F, np.int32)  # 1 GiB of large numbers, handed back to the driver
+cp.cuda.Device().synchronize()
+del junk
+cp.get_default_memory_pool().free_all_blocks()
+capture = nanoinfer.DecodeGraph.__init__
+def on_a_busy_gpu(*args):
+    for _ in range(200):  # the default stream busy for tens of ms while the graph is made
+        busy.fill(1)
+    capture(*args)
+nanoinfer.DecodeGraph.__init__ = on_a_busy_gpu
+llm = make()
+assert [o.token_ids for o in llm.generate(prompts, greedy)] == want
+print("same tokens")
+"""
+
+
+@NO_GPU
+def test_graph_capture_waits_for_the_default_stream(tiny):
+    """A decode graph runs on a stream of its own, which does not wait for the default stream, where the weights,
+    the KV cache and the graph's own buffers are made: its capture must wait for them. An engine made while the
+    default stream is busy, in memory that held large numbers, gives the same greedy tokens as before, and no
+    illegal address (once there was one: the warm-up step read its attention row plan before the default stream
+    had written it). In a process of its own, so that a CUDA error cannot take the rest of the suite with it."""
+    run = _run_py(GRAPH_ON_A_BUSY_GPU.format(path=str(tiny.path)), {}, HERE)
+    assert run.returncode == 0 and "same tokens" in run.stdout, run.stderr[-3000:]
 
 
 @NO_GPU
