@@ -878,7 +878,9 @@ class RequestOutput:
 # the engine: schedule, run one flat batch, sample, stream
 
 
-GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # decode batch sizes that get a CUDA graph each
+# decode batch sizes that get a CUDA graph each: every 16 rows from 16 on (vLLM: every 8), so a batch pads at most 15
+# rows (H200, offline, alternating in one process: 99,200-99,800 tokens/s against 97,000-98,000 with powers of two)
+GRAPH_BUCKETS = (1, 2, 4, 8) + tuple(range(16, 257, 16))
 Run = namedtuple("Run", "graph seqs steps first done")  # launched decode steps: their history rows, an end event
 LOOKAHEAD = 16  # decode steps one graph run may take (multi-step decoding)
 
