@@ -722,10 +722,10 @@ class DecodeGraph:
     it was captured with, so the step's inputs live in one fixed buffer (a step costs one host-to-device copy),
     attention is planned for the longest context (its kernels stop at each row's real length), unused rows
     are padding (cache slot -1, never written), and the activations come from a memory pool that only the
-    graphs allocate from (they share it: on one stream, they never run at once), so their addresses stay theirs. The step ends by turning its sampled
-    tokens into the next step's inputs on the GPU (decode_advance), so it can be replayed several times in
-    a row, each step's tokens kept in a ring of history rows: the host's work for a step, and its wait for
-    the tokens, are paid once per run of steps."""
+    graphs allocate from (they share it: on one stream, they never run at once), so their addresses stay
+    theirs. The step ends by turning its sampled tokens into the next step's inputs on the GPU
+    (decode_advance), so it can be replayed several times in a row, each step's tokens kept in a ring of
+    history rows: the host's work for a step, and its wait for the tokens, are paid once per run of steps."""
 
     def __init__(self, model, kv, B, stream, pool):
         be, c = model.backend, model.config
@@ -737,7 +737,7 @@ class DecodeGraph:
         self.host = np.zeros(sum(n for _, n in fields), np.int32)  # (all fields,) in one int32 buffer
         self.stream = stream
         # the graphs' stream does not wait for the default stream, where the weights and the cache were made (a
-        # warm-up step once read this graph's row plan before it was written): from here on, all in stream order
+        # warm-up step could read this graph's buffers before they were written): from here on, all in stream order
         cp.cuda.Device().synchronize()
         with stream:
             self.dev = cp.zeros_like(self.host)
