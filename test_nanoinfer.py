@@ -1197,8 +1197,8 @@ print("same tokens")
 
 @NO_GPU
 def test_graph_capture_waits_for_the_default_stream(tiny):
-    """A decode graph runs on a stream of its own, which does not wait for the default stream, where the weights,
-    the KV cache and the graph's own buffers are made: its capture must wait for them. An engine made while the
+    """The decode graphs run on a stream of their own, which does not wait for the default stream, where the
+    weights, the KV cache and a graph's own buffers are made: each capture must wait for them. An engine made while the
     default stream is busy, in memory that held large numbers, gives the same greedy tokens as before, and no
     illegal address (there was one, 3 runs in 3 on the H200, while the graph's warm-up step could read its buffers
     before the default stream had written them). In a process of its own, so that a CUDA error cannot take the rest
