@@ -1054,8 +1054,7 @@ class LLM:
         request waits for a free seat. The sequences that go on keep their graph (the ones that are done become
         padding) or, when they fit a smaller one, move there with their input tokens gathered on the GPU, so the
         GPU does not idle while the host reads this run (H200, offline: 98,700-98,800 tokens/s against 97,700-97,800
-        when each move waited for the host; with those waits, 21 buckets ran 92-93,000 against 97,000 with 9). Else
-        None."""
+        when each move waited for the host; measured with the nine power-of-two buckets). Else None."""
         s = self.scheduler
         if self.lookahead == 1 or (s.waiting and len(s.running) < s.max_num_seqs):
             return None
