@@ -2,13 +2,14 @@
 Continuous batching: which sequences run in the next engine step, and how many tokens each.
 
 Static batching runs a batch until its longest request is done, so the GPU idles on finished rows. Here a
-request joins as soon as there is room and leaves the moment it finishes; every step is one flat run of
-tokens mixing decodes (one token each) and chunks of prompts (prefill), so every GEMM sees all of them.
+request joins when there is room and leaves the moment it finishes; every step is one flat run of tokens
+mixing decodes (one token each) and chunks of prompts (prefill), so every GEMM sees all of them.
 
 Each step, under a token budget (max_num_batched_tokens) and a sequence cap (max_num_seqs):
   1. running sequences that decode get their one token first, oldest first, so a long prompt never stalls them;
   2. running sequences still in their prompt get a chunk of it (chunked prefill);
-  3. waiting requests are admitted in arrival order while their first chunk fits.
+  3. waiting requests are admitted in arrival order while their first chunk fits, once `group` seats are free
+     (or as many as wait): the engine lets them in by groups when each admission costs it a run of graph steps.
 When the KV pool has no block for a running sequence, the newest running sequence is preempted: its blocks
 are freed and it waits at the front of the queue to be recomputed from its tokens (prompt + output so far),
 which gives the same tokens as if it had never stopped.
@@ -99,7 +100,12 @@ class Scheduler:
     def has_unfinished(self):
         return bool(self.waiting or self.running)
 
-    def schedule(self):
+    def wants_admission(self, group=1):
+        """Whether waiting requests may come in now: `group` seats are free, or as many as wait."""
+        free = self.max_num_seqs - len(self.running)
+        return bool(self.waiting) and free >= min(len(self.waiting), group)
+
+    def schedule(self, group=1):
         """Pick this step's work: a list of (sequence, number of its tokens to compute now)."""
         budget = self.max_num_batched_tokens
         scheduled = {}
@@ -123,7 +129,8 @@ class Scheduler:
                 scheduled[seq] = n
                 budget -= n
         # admit new requests only when nothing had to make room this step, or they would thrash
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+        admit = self.wants_admission(group) and not preempted
+        while admit and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             n = min(seq.num_uncomputed, budget)
             if not self.kv.can_fit(seq.seq_id, n):

@@ -1243,6 +1243,33 @@ def test_multi_step_decoding_changes_no_token(tiny):
 
 
 @NO_GPU
+def test_a_full_engine_admits_by_groups(tiny):
+    """With CUDA graphs, requests that wait for a seat come in by groups, once an eighth of the seats are free (or
+    as many as wait), so that fewer admissions end the runs of graph steps; eager steps let each one in as soon
+    as a seat frees. The two give every request the same tokens (fp32)."""
+    def run(cuda_graphs):
+        llm = LLM(str(tiny.path), device="cuda", dtype="float32", num_kv_tokens=8192, max_num_seqs=32,
+                  cuda_graphs=cuda_graphs)
+        admissions, schedule = [], llm.scheduler.schedule  # (waiting before, let in) of each step that let some in
+
+        def recorded(group):
+            waiting = len(llm.scheduler.waiting)
+            scheduled = schedule(group)
+            if waiting > len(llm.scheduler.waiting):
+                admissions.append((waiting, waiting - len(llm.scheduler.waiting)))
+            return scheduled
+        llm.scheduler.schedule = recorded
+        outs = llm.generate([random_ids(5, i) for i in range(96)], [greedy(4 + 5 * i % 37) for i in range(96)])
+        return [o.token_ids for o in outs], admissions
+
+    eager, one_by_one = run(cuda_graphs=False)
+    graphed, by_groups = run(cuda_graphs=True)
+    assert any(n == 1 for w, n in one_by_one if w > 1), one_by_one
+    assert all(n >= min(w, 32 // ni.ADMIT_GROUP) for w, n in by_groups), by_groups
+    assert graphed == eager
+
+
+@NO_GPU
 def test_unfused_epilogues_change_no_token(tiny):
     """fused=False (bias, GELU and residual adds as separate kernels) gives the same greedy tokens as the
     fused epilogues; fp32, where the two differ only in the last bits."""
