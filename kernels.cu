@@ -1,20 +1,30 @@
-// kernels.cu -- every hand-written CUDA kernel of nanoinfer.
+// kernels.cu -- every hand-written CUDA kernel of nanoinfer, easy to hard.
 //
-// Compiled at run time by cupy.RawModule (NVRTC, sm_90); CI compiles it with `nvcc -arch=sm_90 -c`.
-// Storage is fp16 ("half") or fp32 (the exact-comparison path); accumulation, statistics and softmax
-// are always fp32. Matmul weights are (N, K) row-major, so y = x @ w.T reads both operands along K:
-// the tensor cores' "row.col" case, no transposes anywhere. The KV cache is
-// (num_blocks, block_size, H, 64): one slot is one token's K (or V) for all heads, contiguous.
-// No toolkit header but cuda_fp16.h: tensor cores, ldmatrix and cp.async are inline PTX.
+// Compiled at run time by cupy.RawModule (NVRTC, -arch=sm_90a); CI compiles it with `nvcc -arch=sm_90 -c`.
+// Storage is fp16 ("half") or fp32 (the exact-comparison path); accumulation, statistics and softmax are
+// always fp32. Matmul weights are (N, K) row-major, so y = x @ w.T reads both operands along K: the tensor
+// cores' "row.col" case, no transposes anywhere. The KV cache is (num_blocks, block_size, H, 64): one slot is
+// one token's K (or V) for all heads, contiguous. No toolkit header but cuda_fp16.h: tensor cores, ldmatrix
+// and cp.async are inline PTX, each wrapper just before its first user. Contents:
+//   1. embed             out = wte[ids] + wpe[positions]: a gather
+//   2. cache_write       this step's K and V into their slots of the paged KV cache: a scatter
+//   3. layernorm         y = (x - mean) / sqrt(var + eps) * w + b, one warp per row
+//   4. matmul_f32        y = epilogue(x @ w.T) in fp32: shared-memory tiles, no tensor cores (exact path)
+//   5. attention_decode  one query row against its paged keys, split along the context (flash-decoding)
+//   6. matmul_gemv       y = epilogue(ln(x) @ w.T) for one row of x: warps streaming the weights
+//   7. matmul_skinny     the same for 2-8 rows of x, on mma.sync with w as the A operand
+//   8. matmul_tc         the tiled tensor-core matmul on wgmma (prefill, decode batches of 9 and more)
+//   9. attention_prefill causal FlashAttention-2 over the paged KV cache, on mma.sync
+//  10. sample_tokens     one token per row of logits: greedy, temperature, top-k, top-p, no sort
+//  11. decode_advance    CUDA-graph helper: the next decode step's inputs, made on the GPU
+//  12. take_rows         CUDA-graph helper: out[i] = src[rows[i]]
 
 #include <cuda_fp16.h>
-
 #define NEG_INF __int_as_float(0xff800000)
 #define FULL_MASK 0xffffffffu
 
 // ---------------------------------------------------------------------------------------------
-// small helpers
-
+// common helpers
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(half x) { return __half2float(x); }
 template <typename T> __device__ __forceinline__ T from_float(float x);
@@ -24,24 +34,14 @@ template <> __device__ __forceinline__ half from_float<half>(float x) { return _
 // 16-byte vectors: the unit of every load and store in the memory-bound kernels
 __device__ __forceinline__ uint4 load16(const void* p) { return *reinterpret_cast<const uint4*>(p); }
 __device__ __forceinline__ void store16(void* p, uint4 v) { *reinterpret_cast<uint4*>(p) = v; }
-// weights are read exactly once per matmul: do not let them push x out of L1
-__device__ __forceinline__ uint4 load16_stream(const void* p) {
-    uint4 r;
-    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-        : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
-    return r;
-}
-// a small weight used only at the end of a kernel: into L1 before the wait, no registers held for it
-__device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefetch.global.L1 [%0];" :: "l"(p)); }
 
-// Programmatic dependent launch (sm_90). In a CUDA graph the engine launches every kernel so that it may
-// start while the kernel before it is still running (nanoinfer.py, CudaBackend.launch). Until it calls
-// wait_for_inputs() a kernel may read only what no kernel of the step writes (the weights): the call returns
-// once the kernels before it have finished and their writes are visible. It then lets the next kernel's
-// blocks onto the SMs, to load their weights while this one works. In a plain launch both are no-ops.
-// Inputs that the kernel before writes are therefore not read-only for a kernel's whole lifetime, so they
-// are never __restrict__ (that lets the compiler read them through the non-coherent cache, ld.global.nc,
-// which returned stale rows under dependent launches on the H200); the weights are.
+// Programmatic dependent launch (sm_90). In a CUDA graph the engine launches every kernel so that it may start
+// while the kernel before it is still running (CudaBackend.launch). Until it calls wait_for_inputs() a kernel
+// may read only what no kernel of the step writes (the weights): the call returns once the kernels before it
+// have finished and their writes are visible. It then lets the next kernel's blocks onto the SMs, to load
+// their weights while this one works; in a plain launch both are no-ops. Inputs that the kernel before writes
+// are thus never __restrict__: that lets the compiler read them through the non-coherent cache (ld.global.nc),
+// which returned stale rows under dependent launches. The weights are __restrict__.
 __device__ __forceinline__ void wait_for_inputs() {
     asm volatile("griddepcontrol.wait;" ::: "memory");
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
@@ -52,10 +52,9 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
-// Split-K (and split-context attention): the blocks of a group each leave a partial result in global memory and
-// count themselves in; the last to arrive (a counter per group, reset here for the next launch) merges them.
-// Every thread of the block calls it.
-__device__ __forceinline__ bool last_to_arrive(int* counter, int blocks) {
+// Split-K (and split-context attention): the blocks of a group each leave a partial result in global memory
+// and count themselves in; the last to arrive (a counter per group, reset for the next launch) merges them.
+__device__ __forceinline__ bool last_to_arrive(int* counter, int blocks) {  // every thread of the block calls it
     __shared__ int last;
     __threadfence();  // this block's partial result is visible before its arrival is counted
     __syncthreads();
@@ -88,7 +87,135 @@ __device__ __forceinline__ void store_y(void* y, long i, float v, int y_f32) {
     else reinterpret_cast<half*>(y)[i] = __float2half_rn(v);
 }
 
-// tensor-core building blocks (inline PTX: NVRTC needs no mma.h)
+// 1. embed: out[t] = wte[input_ids[t]] + wpe[positions[t]]. A gather, memory-bound: 3*T*C*sizeof(T) bytes
+// (two rows read, one written) for T*C additions. One block per token, 16-byte vectors.
+template <typename T>
+__global__ void embed(const T* wte, const T* wpe, const int* ids, const int* pos, T* out, int C) {
+    wait_for_inputs();
+    constexpr int VEC = 16 / sizeof(T);
+    const T* a = wte + (long)ids[blockIdx.x] * C;
+    const T* p = wpe + (long)pos[blockIdx.x] * C;
+    T* o = out + (long)blockIdx.x * C;
+    for (int c = threadIdx.x * VEC; c < C; c += blockDim.x * VEC) {
+        uint4 ar = load16(a + c), pr = load16(p + c), r;
+        const T *ae = reinterpret_cast<const T*>(&ar), *pe = reinterpret_cast<const T*>(&pr);
+        T* re = reinterpret_cast<T*>(&r);
+#pragma unroll
+        for (int j = 0; j < VEC; j++) re[j] = from_float<T>(to_float(ae[j]) + to_float(pe[j]));
+        store16(o + c, r);
+    }
+}
+
+// 2. cache_write: k_cache.reshape(-1, H*D)[slot_mapping[t]] = k[t] (and v); slot -1 is padding: skipped. A
+// scatter, memory-bound: 4*T*H*D*sizeof(T) bytes, no arithmetic; one block per token. k and v may be strided
+// views into the qkv output (row strides k_stride, v_stride), so splitting them out needs no copy.
+template <typename T>
+__global__ void cache_write(const T* k, const T* v, int k_stride, int v_stride, T* k_cache, T* v_cache,
+                            const int* slot_mapping, int HD) {
+    wait_for_inputs();
+    constexpr int VEC = 16 / sizeof(T);
+    const long slot = slot_mapping[blockIdx.x];
+    if (slot < 0) return;
+    for (int c = threadIdx.x * VEC; c < HD; c += blockDim.x * VEC) {
+        store16(k_cache + slot * HD + c, load16(k + (long)blockIdx.x * k_stride + c));
+        store16(v_cache + slot * HD + c, load16(v + (long)blockIdx.x * v_stride + c));
+    }
+}
+
+// a small weight used only at the end of a kernel: into L1 before the wait, no registers held for it
+__device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefetch.global.L1 [%0];" :: "l"(p)); }
+
+// 3. layernorm: y = (x - mean) / sqrt(var + eps) * w + b per row, for prefill (decode folds it into
+// matmul_gemv's prologue). Memory-bound: 2*T*C*sizeof(T) bytes (read x, write y), ~8 FLOPs per element.
+// One warp per row; each lane keeps its slice (up to 64 values, so C <= 2048) in registers, so the row is
+// read once: mean first, then the centred sum of squares (no cancellation).
+template <typename T>
+__global__ void __launch_bounds__(128) layernorm(const T* x, const T* w, const T* b, T* y, int rows, int C, float eps) {
+    constexpr int VEC = 16 / sizeof(T), NV = 64 / VEC;
+    const int row = blockIdx.x * 4 + threadIdx.x / 32, lane = threadIdx.x % 32;
+    // a decode step's few rows: the gain and bias go to L1 before the wait (no kernel writes them), so in a graph
+    // their trip to HBM overlaps the kernel before. Not for a prefill's thousands of blocks: far slower there.
+    if (rows <= 256) {
+#pragma unroll
+        for (int i = 0; i < NV; i++) {
+            int c = (i * 32 + lane) * VEC;
+            if (c >= C) break;
+            prefetch_l1(w + c);
+            prefetch_l1(b + c);
+        }
+    }
+    wait_for_inputs();
+    if (row >= rows) return;
+    const long off = (long)row * C;
+    float v[NV][VEC];
+    float sum = 0.f;
+#pragma unroll
+    for (int i = 0; i < NV; i++) {
+        int c = (i * 32 + lane) * VEC;
+        if (c >= C) break;
+        uint4 xr = load16(x + off + c);
+        const T* xe = reinterpret_cast<const T*>(&xr);
+#pragma unroll
+        for (int j = 0; j < VEC; j++) {
+            v[i][j] = to_float(xe[j]);
+            sum += v[i][j];
+        }
+    }
+    const float mean = warp_sum(sum) / C;
+    float sq = 0.f;
+#pragma unroll
+    for (int i = 0; i < NV; i++) {
+        if ((i * 32 + lane) * VEC >= C) break;
+#pragma unroll
+        for (int j = 0; j < VEC; j++) sq += (v[i][j] - mean) * (v[i][j] - mean);
+    }
+    const float rstd = rsqrtf(warp_sum(sq) / C + eps);
+#pragma unroll
+    for (int i = 0; i < NV; i++) {
+        int c = (i * 32 + lane) * VEC;
+        if (c >= C) break;
+        uint4 wr = load16(w + c), br = load16(b + c), out;
+        const T *we = reinterpret_cast<const T*>(&wr), *be = reinterpret_cast<const T*>(&br);
+        T* oe = reinterpret_cast<T*>(&out);
+#pragma unroll
+        for (int j = 0; j < VEC; j++) oe[j] = from_float<T>((v[i][j] - mean) * rstd * to_float(we[j]) + to_float(be[j]));
+        store16(y + off + c, out);
+    }
+}
+
+// 4. matmul_f32: y = epilogue(x @ w.T) in fp32, for exact comparisons rather than speed (SIMT, no tensor
+// cores). Classic shared-memory tiling: a 64 x 64 tile of y per block, K by 16; each of 256 threads owns a
+// 4 x 4 patch, so each shared-memory read feeds 4 FMAs. 2*M*N*K FLOPs; x read N/64 times, w M/64 (L2).
+extern "C" __global__ void __launch_bounds__(256) matmul_f32(const float* x, const float* __restrict__ w,
+                                                             const float* __restrict__ bias, const float* residual, float* __restrict__ y,
+                                                             int M, int N, int K, int gelu) {
+    wait_for_inputs();
+    __shared__ float xs[16][64 + 4], ws[16][64 + 4];  // k-major: the inner loop reads along m and n
+    const int tx = threadIdx.x % 16, ty = threadIdx.x / 16, m0 = blockIdx.y * 64, n0 = blockIdx.x * 64;
+    float acc[4][4] = {};
+    for (int k0 = 0; k0 < K; k0 += 16) {
+        for (int i = threadIdx.x; i < 64 * 16; i += 256) {
+            int r = i / 16, k = k0 + i % 16;  // consecutive threads read consecutive k: coalesced
+            xs[i % 16][r] = (m0 + r < M && k < K) ? x[(long)(m0 + r) * K + k] : 0.f;
+            ws[i % 16][r] = (n0 + r < N && k < K) ? w[(long)(n0 + r) * K + k] : 0.f;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int k = 0; k < 16; k++)
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+#pragma unroll
+                for (int j = 0; j < 4; j++) acc[i][j] += xs[k][ty * 4 + i] * ws[k][tx * 4 + j];
+        __syncthreads();
+    }
+    for (int i = 0; i < 4; i++)
+        for (int j = 0; j < 4; j++) {
+            int m = m0 + ty * 4 + i, n = n0 + tx * 4 + j;
+            if (m < M && n < N) y[(long)m * N + n] = epilogue(acc[i][j], bias, residual, gelu, m, n, N);
+        }
+}
+
+// cp.async: copies that hold no registers while they fly; commit closes a group, wait<N> waits till <= N fly
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
     unsigned a;
     asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
@@ -102,271 +229,169 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N> __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory");
 }
-__device__ __forceinline__ void ldmatrix_x4(unsigned* r, unsigned addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
-}
-__device__ __forceinline__ void ldmatrix_x4_trans(unsigned* r, unsigned addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
-}
-// c (16x8 fp32) += a (16x16 fp16, row) * b (16x8 fp16, col). Thread (g = lane/4, t = lane%4) holds
-// a: (g, 2t..2t+1) (g+8, 2t..) (g, 2t+8..) (g+8, 2t+8..); b: (2t.., g) (2t+8.., g);
-// c: (g, 2t) (g, 2t+1) (g+8, 2t) (g+8, 2t+1).
-__device__ __forceinline__ void mma16816(float* c, const unsigned* a, const unsigned* b) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-__device__ __forceinline__ unsigned pack_half2(float lo, float hi) {
-    half2 h = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<unsigned*>(&h);
-}
 
-// ---------------------------------------------------------------------------------------------
-// Hopper's warpgroup tensor-core instruction (wgmma, sm_90a): the 128 threads of a warpgroup multiply a 64 x 16
-// tile of A by a 16 x N tile of B (N = 32, 128 or 144 here), both read straight from shared memory, into
-// 64 x N fp32 accumulators held N / 2 per thread. It is asynchronous: issue, commit, and wait for it before
-// touching the accumulators.
-// Shared memory is described to it by a 64-bit descriptor. Our tiles are "K-major with the 128-byte
-// swizzle": each row holds 64 halves of K (128 bytes), rows come in groups of 8 (1024 bytes, the stride
-// between groups), and the 16-byte chunk c of row r sits at chunk c ^ (r % 8), so the 8 rows of a group
-// spread their chunks over all the banks. The hardware applies the same XOR to the address bits, which is
-// why a tile must start 1024-byte aligned, and why stepping along K inside the 128 bytes is just adding
-// 32 bytes (16 halves) to the start address. CI's nvcc builds plain sm_90, where the instruction does not
-// exist: that build traps instead (nanoinfer compiles for sm_90a).
-__device__ __forceinline__ unsigned long long smem_desc(unsigned addr) {
-    return ((addr & 0x3FFFF) >> 4) | (1ull << 16) | ((1024ull >> 4) << 32) | (1ull << 62);  // 62: 128-byte swizzle
-}
-// d (64 x N, fp32, N / 2 per thread) += a (64 x 16) @ b (N x 16)^T, for the tile widths matmul_tc uses
-#define ACC8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
-                "+f"(d[i + 6]), "+f"(d[i + 7])
-#define WGMMA_ASM(N, REGS, A, B) "{ .reg .pred p; setp.ne.b32 p, 1, 0;\n" \
-    "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32.f16.f16 {" REGS "}, " A ", " B ", p, 1, 1, 0, 0; }"
-template <int N> __device__ __forceinline__ void wgmma(float (&d)[N / 2], unsigned long long a, unsigned long long b) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    if constexpr (N == 32)
-        asm volatile(WGMMA_ASM(32, "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15", "%16", "%17")
-                     : ACC8(0), ACC8(8) : "l"(a), "l"(b));
-    else if constexpr (N == 128)
-        asm volatile(WGMMA_ASM(128,
-                     "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, "
-                     "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, "
-                     "%40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, "
-                     "%60, %61, %62, %63",
-                     "%64", "%65")
-                     : ACC8(0), ACC8(8), ACC8(16), ACC8(24), ACC8(32), ACC8(40), ACC8(48), ACC8(56) : "l"(a), "l"(b));
-    else if constexpr (N == 144)
-        asm volatile(WGMMA_ASM(144,
-                     "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, "
-                     "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, "
-                     "%40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, "
-                     "%60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71",
-                     "%72", "%73")
-                     : ACC8(0), ACC8(8), ACC8(16), ACC8(24), ACC8(32), ACC8(40), ACC8(48), ACC8(56), ACC8(64) : "l"(a), "l"(b));
-    else static_assert(N == 0, "no wgmma wrapper for this tile width");
-#else
-    __trap();
-#endif
-}
-#undef ACC8
-#undef WGMMA_ASM
-__device__ __forceinline__ void wgmma_fence() {  // accumulators written by ordinary instructions: wgmma may use them
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
-#endif
-}
-template <int N> __device__ __forceinline__ void wgmma_commit_and_wait() {  // all but the last N groups are done
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-    asm volatile("wgmma.wait_group.sync.aligned %0;" :: "n"(N) : "memory");
-#endif
-}
-
-// ---------------------------------------------------------------------------------------------
-// matmul_tc: y (M,N) = epilogue(x (M,K) @ w (N,K)^T), fp16 in and out, fp32 accumulation, on wgmma.
-// Compute-bound at prefill sizes: 2*M*N*K FLOPs over (M*K + N*K + M*N) * 2 bytes. A block of BM/64
-// warpgroups owns a BM x BN tile of y (each warpgroup 64 x BN); K goes by 64 through a STAGES-deep cp.async
-// pipeline in the swizzled layout above, so STAGES - 1 tiles are in flight while the tensor cores chew on
-// one. When the tiles fill the SMs (prefill), 3 stages let two blocks share an SM, so one computes while the
-// other waits (H200: 8192x3072x768 at 63 % of cuBLAS, against 42 % with 4 stages and one block per SM),
-// and the tiles are 144 wide where that takes fewer rounds of blocks (2048x2304x768: 256 tiles for 264
-// slots, against 288 of 128: 71 % of cuBLAS against 54 %).
-// With fewer tiles than SMs a block has its SM alone: 4 or 8 stages, and the loop leaves one group of
-// wgmma running across the barrier, so the tensor cores do not wait for it (H200: 2048x768x3072 at 68 %
-// of cuBLAS, against 53 % with two 64-row blocks per SM; decode 256x768x768 8.6 us against 9.4 when every
-// step waits for its wgmma). Decode batches of 9-512 rows take 64-row tiles with 8 stages, 7 tiles in
-// flight, and tiles only BN = 32 wide while those fill no more than two blocks per SM, so that more SMs
-// share the work (the 32-wide wgmma, as cuBLAS's kernel for these shapes); K is also split across
-// blockIdx.z as in matmul_skinny below (H200, 256x768x3072: 15.8 us against 23.6 with 3 stages and no
-// split; 12.0 with 32-wide tiles). Each thread copies one 16-byte column chunk of every (threads/8)-th
-// row: after the swizzle that chunk lands at the same column of each of its rows, so a tile's copies are a
-// constant stride apart and cost a few instructions each (the mma.sync kernel this replaced issued ~450
-// instructions per warp per k-step, 48 of them ldmatrix and mma: 19-34 % of cuBLAS).
-// Rows past M or N and chunks past K are zero-filled, so K only has to be a multiple of 8. Bias, GELU and
-// the residual add happen on the fp32 accumulators.
-template <int BM, int BN, int STAGES>
-__global__ void __launch_bounds__(BM * 2, 256 / BM) matmul_tc(const half* x, const half* __restrict__ w,
-                                                    const half* __restrict__ bias, const half* residual,
-                                                    void* __restrict__ y, int M, int N, int K, int gelu, int y_f32,
-                                                    int k_per_split, float* partial, int* counters) {
-    constexpr int BK = 64, THREADS = BM * 2, RSTEP = THREADS / 8;
-    constexpr int A_BYTES = BM * BK * 2, STAGE_BYTES = (BM + BN) * BK * 2;
-    extern __shared__ __align__(16) unsigned char smem_raw[];
-    const unsigned smem = (smem_addr(smem_raw) + 1023) & ~1023u;  // [STAGES][BM + BN rows][128 bytes]
-    const int tid = threadIdx.x, m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
-    const int kt0 = blockIdx.z * k_per_split / BK, ktiles = (min(K, (blockIdx.z + 1) * k_per_split) + BK - 1) / BK - kt0;
-    const int col = tid & 7, r0 = tid >> 3;  // this thread's chunk of K, and its first row
-    const unsigned dst = ((r0 * 8 + (col ^ (r0 & 7))) << 4);  // RSTEP is a multiple of 8: same swizzle every row
-
-    auto load_x = [&](int stage, int kt) {
-        const int k = (kt0 + kt) * BK + col * 8;
-        const unsigned base = smem + stage * STAGE_BYTES + dst;
-#pragma unroll
-        for (int i = 0; i < BM / RSTEP; i++) {
-            int row = m0 + r0 + i * RSTEP;
-            bool ok = row < M && k < K;
-            cp_async16(base + i * RSTEP * 128, x + (ok ? (long)row * K + k : 0), ok);
+// 5. attention_decode: attention for single query rows (decode; also every row on the fp32 path), split
+// along the context: flash-decoding. Block (row, head, split) takes keys [split*chunk, ...) of the row's
+// visible keys. One query reads every key once, so this is memory-bound: 2*len*64*sizeof(T) bytes (K and V)
+// for 4*len*64 FLOPs per (row, head). Lanes work in groups of 64/VEC (8 for fp16), one key per group, one
+// 16-byte chunk of K and of V per lane; each group keeps its own running max, sum and output, merged across
+// the warp and then across the 4 warps at the end. The bandwidth comes from bytes in flight: each thread
+// copies its own chunks of the next 7 key tiles into shared memory with cp.async, which holds no registers
+// while they fly (loads into registers could keep far fewer bytes in flight); only the thread that copied a
+// chunk reads it, so the ring needs no barrier. With one split the result goes straight to `out`. With
+// several (so that 12 heads of one sequence still fill 132 SMs), each split writes its normalised output
+// and log-sum-exp, and the last split of a (row, head) to finish (last_to_arrive) combines them, in this
+// kernel: out = sum_s exp2(lse_s - max) * o_s / sum_s exp2(lse_s - max). Decode also folds in the cache
+// write: given k_new and v_new (this step's K and V, rows of the qkv output), row r's own key (its last,
+// len - 1) is read from there, and the split that holds it stores it at slot_mapping[row_q[r]].
+template <typename T>
+__global__ void __launch_bounds__(128) attention_decode(
+    const T* q, int q_stride, const T* k_new, const T* v_new, int kv_stride,
+    const int* slot_mapping, T* k_cache, T* v_cache,
+    const int* block_tables, int max_blocks, int block_size, const int* row_q, const int* row_seq,
+    const int* row_len, int H, float scale_log2, T* out, float* part_o, float* part_lse, int* counters) {
+    constexpr int D = 64, VEC = 16 / sizeof(T), LPK = D / VEC, KPW = 32 / LPK;  // lanes per key, keys per warp
+    const int r = blockIdx.x, h = blockIdx.y, split = blockIdx.z;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, grp = lane / LPK, sub = lane % LPK;
+    // Before wait_for_inputs: only the qkv matmul just before writes q and this step's K and V; the row plan,
+    // the block tables and the cache up to each row's previous key come from kernels finished before it.
+    // at least 32 keys per split: a short row (or a CUDA graph planned for the longest context) uses fewer
+    const int qr = row_q[r], len = row_len[r], nsplit = min((int)gridDim.z, (len + 31) / 32);
+    if (split >= nsplit) return;
+    const int chunk = (len + nsplit - 1) / nsplit, k_begin = split * chunk, k_end = min(len, k_begin + chunk);
+    const int* table = block_tables + (long)row_seq[r] * max_blocks;
+    auto slot_off = [&](int j) { return (((long)table[j / block_size] * block_size + j % block_size) * H + h) * D; };
+    constexpr int RING = 8;  // key tiles in the ring: RING - 1 in flight while one is read
+    __shared__ __align__(16) uint4 ring[RING][2][128];  // [tile][K, V][thread]
+    const int own = len - 1;  // the row's own key: from k_new (this step's), never copied from the cache
+    auto fetch = [&](int it) {  // tile it holds key k_begin + 4 KPW it + KPW warp + grp
+        const int j = k_begin + 4 * KPW * it + warp * KPW + grp;
+        if (j < k_end && j != own) {
+            cp_async16(smem_addr(&ring[it % RING][0][threadIdx.x]), k_cache + slot_off(j) + sub * VEC, true);
+            cp_async16(smem_addr(&ring[it % RING][1][threadIdx.x]), v_cache + slot_off(j) + sub * VEC, true);
         }
+        cp_async_commit();
     };
-    auto load_w = [&](int stage, int kt) {
-        const int k = (kt0 + kt) * BK + col * 8;
-        const unsigned base = smem + stage * STAGE_BYTES + dst;
-#pragma unroll
-        for (int i = 0; i < (BN + RSTEP - 1) / RSTEP; i++) {
-            if (BN % RSTEP && r0 + i * RSTEP >= BN) break;  // BN = 144: the last 16 rows, by half the threads
-            int row = n0 + r0 + i * RSTEP;
-            bool ok = row < N && k < K;
-            cp_async16(base + A_BYTES + i * RSTEP * 128, w + (ok ? (long)row * K + k : 0), ok);
-        }
-    };
-
-    // with 4 or more stages one group of wgmma stays in flight across the barrier, and the loads run LAG tiles
-    // less far ahead: the stage they refill must be one that no running wgmma still reads
-    constexpr int LAG = STAGES >= 4 ? 1 : 0, AHEAD = STAGES - 1 - LAG;
-    for (int s = 0; s < AHEAD; s++)  // the first tiles' weights go out before the wait (no kernel writes them)
-        if (s < ktiles) load_w(s, s);
+    for (int it = 0; it < RING - 1; it++) fetch(it);  // the cache up to the row's previous key: on their way now
     wait_for_inputs();
-    for (int s = 0; s < AHEAD; s++) {  // (the first group carries those weights too)
-        if (s < ktiles) load_x(s, s);
-        cp_async_commit();
+    const long new_off = (long)qr * kv_stride + h * D;  // this row's own K and V in k_new / v_new
+    if (k_new && split == nsplit - 1 && threadIdx.x < LPK && slot_mapping[qr] >= 0) {
+        const long dst = ((long)slot_mapping[qr] * H + h) * D + threadIdx.x * VEC;
+        store16(k_cache + dst, load16(k_new + new_off + threadIdx.x * VEC));
+        store16(v_cache + dst, load16(v_new + new_off + threadIdx.x * VEC));
     }
-    const int wg = tid / 128;
-    float acc[BN / 2];  // y[m][n] for m = 16 * warp + lane / 4 (+8), n = 8 j + 2 (lane % 4) (+1): acc[4 j + ...]
-#pragma unroll
-    for (int i = 0; i < BN / 2; i++) acc[i] = 0.f;
-    for (int kt = 0; kt < ktiles; kt++) {
-        cp_async_wait<AHEAD - 1>();
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // cp.async's writes, visible to wgmma's reads
-        __syncthreads();  // tile kt has landed; the stage refilled next was last read by group kt - 1 - LAG, retired
-        if (kt + AHEAD < ktiles) {
-            load_x((kt + AHEAD) % STAGES, kt + AHEAD);
-            load_w((kt + AHEAD) % STAGES, kt + AHEAD);
-        }
-        cp_async_commit();
-        const unsigned a = smem + (kt % STAGES) * STAGE_BYTES + wg * 64 * 128;  // this warpgroup's 64 rows of x
-        const unsigned b = smem + (kt % STAGES) * STAGE_BYTES + A_BYTES;        // the BN rows of w
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < BK; kk += 16) {
-            wgmma<BN>(acc, smem_desc(a + kk * 2), smem_desc(b + kk * 2));
-        }
-        wgmma_commit_and_wait<LAG>();
-    }
-    if constexpr (LAG > 0) wgmma_commit_and_wait<0>();  // (an empty group) the last LAG groups too
 
-    // The tile of y goes through shared memory (the stages are free now); each thread then walks 16-byte runs
-    // along its rows, so global stores and split-K's partial sums are coalesced (H200: the fp32 logits of the
-    // 256 x 50257 lm_head in 66 us, against 104 us stored straight from the accumulators' scattered pairs),
-    // and the epilogue is a loop rather than 64 unrolled copies (35 KB of instructions instead of 85).
-    constexpr int TLD = BN + 8;  // row pitch (floats): the float2 writes miss no bank
-    constexpr int RUNS = BM * BN / 4 / THREADS, IN_FLIGHT = RUNS < 8 ? RUNS : 8;  // float4 runs per thread
-    static_assert(BM * TLD * 4 <= STAGES * STAGE_BYTES, "the tile of y fits in the pipeline's stages");
-    cp_async_wait<0>();
-    __syncthreads();
-    float* tile = reinterpret_cast<float*>(smem_raw + (smem - smem_addr(smem_raw)));  // (BM, TLD) fp32
-    const int lane = tid & 31, rw = wg * 64 + (tid & 127) / 32 * 16 + (lane >> 2), cw = 2 * (lane & 3);
+    float qv[VEC], o[VEC], m = NEG_INF, l = 0.f;
+    uint4 qraw = load16(q + (long)qr * q_stride + h * D + sub * VEC);
 #pragma unroll
-    for (int i = 0; i < BN / 2; i += 2)  // acc[4 j + 2 hf + e] is the tile's (rw + 8 hf, 8 j + cw + e)
-        *reinterpret_cast<float2*>(&tile[(rw + (i & 2) * 4) * TLD + (i >> 2) * 8 + cw]) = make_float2(acc[i], acc[i + 1]);
-    __syncthreads();
-    auto run = [&](int u, int& r, int& c) { int q = tid + u * THREADS; r = q / (BN / 4); c = q % (BN / 4) * 4; };
-    if (gridDim.z > 1) {  // split-K (N % 4 == 0): leave this split's sums, and the last block adds all up
-#pragma unroll
-        for (int u = 0; u < RUNS; u++) {
-            int r, c;
-            run(u, r, c);
-            if (m0 + r < M && n0 + c < N)
-                *reinterpret_cast<float4*>(&partial[((long)blockIdx.z * M + m0 + r) * N + n0 + c]) =
-                    *reinterpret_cast<const float4*>(&tile[r * TLD + c]);
+    for (int i = 0; i < VEC; i++) { qv[i] = to_float(reinterpret_cast<const T*>(&qraw)[i]) * scale_log2; o[i] = 0.f; }
+
+    for (int it = 0, base = k_begin + warp * KPW; base < k_end; it++, base += 4 * KPW) {  // same trip count for the warp
+        cp_async_wait<RING - 2>();  // tile it has landed
+        fetch(it + RING - 1);       // into the slot of tile it - 1, used up
+        const int j = base + grp;
+        const bool ok = j < k_end;
+        float s = 0.f;
+        uint4 kraw, vraw;
+        if (ok && j == own) {
+            kraw = load16((k_new ? k_new + new_off : k_cache + slot_off(j)) + sub * VEC);
+            vraw = load16((k_new ? v_new + new_off : v_cache + slot_off(j)) + sub * VEC);
+        } else if (ok) {
+            kraw = ring[it % RING][0][threadIdx.x];
+            vraw = ring[it % RING][1][threadIdx.x];
         }
-        if (!last_to_arrive(&counters[blockIdx.y * gridDim.x + blockIdx.x], gridDim.z)) return;
-        for (int sp = 0; sp < (int)gridDim.z; sp++)  // in split order, its own too: the same sum whichever block is last
+        if (ok) {
 #pragma unroll
-            for (int u0 = 0; u0 < RUNS; u0 += IN_FLIGHT) {
-                float4 v[IN_FLIGHT];  // loads in flight at once (16 would spill)
+            for (int i = 0; i < VEC; i++) s += qv[i] * to_float(reinterpret_cast<const T*>(&kraw)[i]);
+        }
+        for (int off = LPK / 2; off > 0; off >>= 1) s += __shfl_xor_sync(FULL_MASK, s, off);
+        if (ok) {
+            float mn = fmaxf(m, s), c = exp2f(m - mn), p = exp2f(s - mn);
+            l = l * c + p;
 #pragma unroll
-                for (int u = 0; u < IN_FLIGHT; u++) {
-                    int r, c;
-                    run(u0 + u, r, c);
-                    bool ok = m0 + r < M && n0 + c < N;
-                    v[u] = ok ? __ldcg(reinterpret_cast<const float4*>(&partial[((long)sp * M + m0 + r) * N + n0 + c]))
-                              : make_float4(0.f, 0.f, 0.f, 0.f);
-                }
+            for (int i = 0; i < VEC; i++) o[i] = o[i] * c + p * to_float(reinterpret_cast<const T*>(&vraw)[i]);
+            m = mn;
+        }
+    }
+    // merge the key groups of this warp (lanes with the same `sub`)
+    for (int off = LPK; off < 32; off <<= 1) {
+        float m2 = __shfl_xor_sync(FULL_MASK, m, off), l2 = __shfl_xor_sync(FULL_MASK, l, off);
+        float mn = fmaxf(m, m2);
+        float c1 = mn == NEG_INF ? 0.f : exp2f(m - mn), c2 = mn == NEG_INF ? 0.f : exp2f(m2 - mn);
 #pragma unroll
-                for (int u = 0; u < IN_FLIGHT; u++) {  // each thread adds to its own runs only: no barrier needed
-                    int r, c;
-                    run(u0 + u, r, c);
-                    float4* s = reinterpret_cast<float4*>(&tile[r * TLD + c]);
-                    if (sp > 0) v[u] = make_float4(s->x + v[u].x, s->y + v[u].y, s->z + v[u].z, s->w + v[u].w);
-                    *s = v[u];
-                }
+        for (int i = 0; i < VEC; i++) o[i] = o[i] * c1 + __shfl_xor_sync(FULL_MASK, o[i], off) * c2;
+        l = l * c1 + l2 * c2;
+        m = mn;
+    }
+    // then the 4 warps
+    __shared__ float sm_o[4][D], sm_m[4], sm_l[4];
+    if (grp == 0) {
+#pragma unroll
+        for (int i = 0; i < VEC; i++) sm_o[warp][sub * VEC + i] = o[i];
+        if (sub == 0) { sm_m[warp] = m; sm_l[warp] = l; }
+    }
+    __syncthreads();
+    const int d = threadIdx.x;
+    if (d < D) {
+        float mx = fmaxf(fmaxf(sm_m[0], sm_m[1]), fmaxf(sm_m[2], sm_m[3])), L = 0.f, acc = 0.f;
+        if (mx != NEG_INF)
+            for (int w = 0; w < 4; w++) {
+                float c = exp2f(sm_m[w] - mx);
+                L += sm_l[w] * c;
+                acc += sm_o[w][d] * c;
             }
-    }
-#pragma unroll 1
-    for (int u = 0; u < RUNS; u++) {
-        int r, c;
-        run(u, r, c);
-        const int row = m0 + r, col = n0 + c;
-        if (row >= M || col >= N) continue;
-        float v[4];
-#pragma unroll
-        for (int e = 0; e < 4; e++) v[e] = col + e < N ? epilogue(tile[r * TLD + c + e], bias, residual, gelu, row, col + e, N) : 0.f;
-        if (!y_f32 && N % 4 == 0) {  // 4 halves, one 8-byte store
-            half2 h[2] = {__floats2half2_rn(v[0], v[1]), __floats2half2_rn(v[2], v[3])};
-            *reinterpret_cast<uint2*>(reinterpret_cast<half*>(y) + (long)row * N + col) = *reinterpret_cast<uint2*>(h);
-        } else {
-            for (int e = 0; e < 4 && col + e < N; e++) store_y(y, (long)row * N + col + e, v[e], y_f32);
+        if (nsplit == 1) {
+            out[((long)qr * H + h) * D + d] = from_float<T>(acc / L);
+            return;
         }
+        const long pi = ((long)r * H + h) * gridDim.z + split;
+        part_o[pi * D + d] = L > 0.f ? acc / L : 0.f;
+        if (d == 0) part_lse[pi] = L > 0.f ? mx + log2f(L) : NEG_INF;
     }
+    if (nsplit == 1 || !last_to_arrive(&counters[r * H + h], nsplit)) return;
+    const long base = ((long)r * H + h) * gridDim.z;
+    __shared__ float lse[32];  // nsplit <= 32 (the host plans so); loaded in one round, not one per split
+    if (threadIdx.x < nsplit) lse[threadIdx.x] = __ldcg(&part_lse[base + threadIdx.x]);
+    __syncthreads();
+    if (d >= D) return;
+    float mx = NEG_INF, L = 0.f, acc = 0.f;
+    for (int s = 0; s < nsplit; s++) mx = fmaxf(mx, lse[s]);  // split 0 is never empty, so mx is finite
+#pragma unroll 8
+    for (int s = 0; s < nsplit; s++) {
+        float c = exp2f(lse[s] - mx);
+        L += c;
+        acc += c * __ldcg(&part_o[(base + s) * D + d]);
+    }
+    out[((long)qr * H + h) * D + d] = from_float<T>(acc / L);
 }
 
-// ---------------------------------------------------------------------------------------------
-// matmul_gemv: y = epilogue(ln(x) @ w.T) for decode at M <= MR rows of x, with the layernorm in front of
-// the matmul optionally fused into its prologue. nanoinfer builds MR = 1 (single stream): from two rows on,
-// matmul_skinny's tensor cores are faster (H200: batch 8 decoded 21,900 against 13,800 tokens/s).
-// Memory-bound: 2*M*N*K FLOPs over N*K*2 bytes of weights, read once, so the kernel's job is to keep
-// enough weight bytes in flight. One warp takes one row of w at a time; a "round" is R 16-byte loads
-// per lane (256 * R of K), and each warp always has its next round on the way while it does the dot
-// products of the current one (two register buffers), moving on to its next row, gridDim.x * 8 rows
-// further, without stopping. The grid is one wave of 2 blocks per SM. R = 8 keeps the most bytes in
-// flight; R = 4 needs only 64 registers, so 4 blocks fit an SM, and with dependent launches the next
-// kernel's blocks sit beside this one's and load their weights while it finishes (single stream, where a
-// whole GPT-2 matrix is in flight in the first two rounds either way). The prologue runs once per
-// block: while the first rounds fly, the block copies the M rows of x into shared memory, normalising
-// them on the way when ln_w is given (each thread takes one 16-byte chunk of each row, the statistics
-// are two block-wide sums), so the layernorm costs one L2 read of x per block instead of a kernel of
-// its own. Each lane keeps fp32 sums; at the end of a row the warp adds them up with shuffles and lane
-// m finishes row m. At GPT-2's small matrices (1-3 us) this is about one HBM round trip plus launch.
-template <int MR, int R>
-__global__ void __launch_bounds__(256, R == 4 ? 4 : 2) matmul_gemv(const half* x, const half* __restrict__ w,
-                                                   const half* __restrict__ bias, const half* residual,
-                                                   void* __restrict__ y, int M, int N, int K, int gelu, int y_f32,
-                                                   const half* __restrict__ ln_w, const half* __restrict__ ln_b,
-                                                   float eps) {
+// weights are read exactly once per matmul: do not let them push x out of L1
+__device__ __forceinline__ uint4 load16_stream(const void* p) {
+    uint4 r;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+        : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+    return r;
+}
+
+// 6. matmul_gemv: y = epilogue(ln(x) @ w.T) for the one row of x of a single stream's decode (from two rows on,
+// matmul_skinny's tensor cores are faster), the layernorm optionally fused into its prologue. M is always 1 (an
+// argument only so that every matmul kernel takes the same ones). Memory-bound: reads N*K*2 bytes of weights
+// once for 2*N*K FLOPs, so the kernel's job is to keep enough weight bytes in flight. One warp takes one row of
+// w at a time; a "round" is R 16-byte loads per lane (256 * R of K), and each warp always has its next round on
+// the way while it does the dot products of the current one (two register buffers), moving on to its next row,
+// gridDim.x * 8 rows further, without stopping. The grid is one wave of 2 blocks per SM. R = 8 keeps the most
+// bytes in flight; R = 4 needs only 64 registers, so 4 blocks fit an SM, and with dependent launches the next
+// kernel's blocks sit beside this one's and load their weights while it finishes (a whole GPT-2 matrix is in
+// flight in the first two rounds either way). The prologue runs once per block: while the first rounds fly,
+// the block copies x into shared memory, normalising it on the way when ln_w is given (a 16-byte chunk per
+// thread, the statistics two block-wide sums), so the layernorm costs one L2 read of x per block instead of a
+// kernel. At GPT-2's small matrices this is about one HBM round trip plus the launch.
+template <int R>
+__global__ void __launch_bounds__(256, R == 4 ? 4 : 2) matmul_gemv(
+    const half* x, const half* __restrict__ w, const half* __restrict__ bias, const half* residual, void* __restrict__ y,
+    int M, int N, int K, int gelu, int y_f32, const half* __restrict__ ln_w, const half* __restrict__ ln_b, float eps) {
     extern __shared__ __align__(16) unsigned char smem[];
-    half* xs = reinterpret_cast<half*>(smem);  // (M, K): the rows of x, normalised when ln_w is given
+    half* xs = reinterpret_cast<half*>(smem);  // (K): the row of x, normalised when ln_w is given
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int rounds = (K + R * 256 - 1) / (R * 256), first = blockIdx.x * 8 + warp, stride = gridDim.x * 8;
     const int Q = first < N ? (N - first + stride - 1) / stride * rounds : 0;  // rounds of this warp
@@ -385,99 +410,71 @@ __global__ void __launch_bounds__(256, R == 4 ? 4 : 2) matmul_gemv(const half* x
     if (ln_w && threadIdx.x * 8 < K) { gw = load16(ln_w + threadIdx.x * 8); gb = load16(ln_b + threadIdx.x * 8); }
     wait_for_inputs();  // in a graph the first weights (and the layernorm's) are on their way while the kernel before finishes
 
-    if (!ln_w) {  // prologue: the block stages x (M, K) in shared memory while the weights are on their way
-        for (int i = threadIdx.x * 8; i < M * K; i += 256 * 8) store16(xs + i, load16(x + i));
-    } else {  // ... normalised: K <= 2048, so each thread owns one 16-byte chunk of each row, all loaded at once
-        __shared__ float red[8][MR];
+    if (!ln_w) {  // prologue: the block stages x (K) in shared memory while the weights are on their way
+        for (int i = threadIdx.x * 8; i < K; i += 256 * 8) store16(xs + i, load16(x + i));
+    } else {  // ... normalised: K <= 2048, so each thread owns one 16-byte chunk of the row, loaded at once
+        __shared__ float red[8];
+        auto block_total = [&](float v) {  // the 8 warps' sums, added in the same order by every thread
+            v = warp_sum(v);
+            if (lane == 0) red[warp] = v;
+            __syncthreads();
+            float total = 0.f;
+            for (int w8 = 0; w8 < 8; w8++) total += red[w8];
+            __syncthreads();  // red is reused by the next call
+            return total;
+        };
         const int k = threadIdx.x * 8;
         const bool mine = k < K;
-        float s[MR];
+        float s = 0.f;
+        if (mine) {  // each thread re-reads only its own chunk: no barrier needed
+            uint4 v = load16(x + k);
+            store16(xs + k, v);
+            const half* e = reinterpret_cast<const half*>(&v);
 #pragma unroll
-        for (int m = 0; m < MR; m++) {
-            s[m] = 0.f;
-            if (m < M && mine) {  // each thread re-reads only its own chunks: no barrier needed
-                uint4 v = load16(x + (long)m * K + k);
-                store16(xs + m * K + k, v);
-                const half* e = reinterpret_cast<const half*>(&v);
-#pragma unroll
-                for (int i = 0; i < 8; i++) s[m] += __half2float(e[i]);
-            }
+            for (int i = 0; i < 8; i++) s += __half2float(e[i]);
         }
-        float mean[MR], rstd[MR];
-        for (int pass = 0; pass < 2; pass++) {  // pass 0: the mean; pass 1: the centred sum of squares
+        const float mean = block_total(s) / K;
+        s = 0.f;  // then the centred sum of squares
+        if (mine) {
+            uint4 v = load16(xs + k);
+            const half* e = reinterpret_cast<const half*>(&v);
 #pragma unroll
-            for (int m = 0; m < MR; m++) {
-                float v = warp_sum(s[m]);
-                if (lane == 0) red[warp][m] = v;
-            }
-            __syncthreads();
-#pragma unroll
-            for (int m = 0; m < MR; m++) {
-                float total = 0.f;
-                for (int w8 = 0; w8 < 8; w8++) total += red[w8][m];
-                if (pass == 0) mean[m] = total / K;
-                else rstd[m] = rsqrtf(total / K + eps);
-            }
-            __syncthreads();  // red is reused by pass 1
-#pragma unroll
-            for (int m = 0; m < MR; m++) {
-                s[m] = 0.f;
-                if (pass == 0 && m < M && mine) {
-                    uint4 v = load16(xs + m * K + k);
-                    const half* e = reinterpret_cast<const half*>(&v);
-#pragma unroll
-                    for (int i = 0; i < 8; i++) s[m] += (__half2float(e[i]) - mean[m]) * (__half2float(e[i]) - mean[m]);
-                }
-            }
+            for (int i = 0; i < 8; i++) s += (__half2float(e[i]) - mean) * (__half2float(e[i]) - mean);
         }
-#pragma unroll
-        for (int m = 0; m < MR; m++) {
-            if (m >= M || !mine) continue;
-            uint4 v = load16(xs + m * K + k), out;
+        const float rstd = rsqrtf(block_total(s) / K + eps);
+        if (mine) {
+            uint4 v = load16(xs + k), out;
             const half *e = reinterpret_cast<const half*>(&v), *ge = reinterpret_cast<const half*>(&gw),
                        *be = reinterpret_cast<const half*>(&gb);
             half* oe = reinterpret_cast<half*>(&out);
 #pragma unroll
             for (int i = 0; i < 8; i++)  // rounded to fp16, as the layernorm kernel writes it
-                oe[i] = __float2half_rn((__half2float(e[i]) - mean[m]) * rstd[m] * __half2float(ge[i]) + __half2float(be[i]));
-            store16(xs + m * K + k, out);
+                oe[i] = __float2half_rn((__half2float(e[i]) - mean) * rstd * __half2float(ge[i]) + __half2float(be[i]));
+            store16(xs + k, out);
         }
     }
     __syncthreads();
 
-    float acc[MR] = {};
+    float acc = 0.f;
     auto consume = [&](const uint4 (&buf)[R], int q) {
         if (q >= Q) return;
 #pragma unroll
         for (int j = 0; j < R; j++) {
             int k = (q % rounds) * R * 256 + (j * 32 + lane) * 8;
             if (k >= K) break;
-            float wf[8];
-            const half2* wh = reinterpret_cast<const half2*>(&buf[j]);
+            uint4 xv = load16(xs + k);
+            const half2 *wh = reinterpret_cast<const half2*>(&buf[j]), *xh = reinterpret_cast<const half2*>(&xv);
 #pragma unroll
-            for (int i = 0; i < 4; i++) { float2 f = __half22float2(wh[i]); wf[2 * i] = f.x; wf[2 * i + 1] = f.y; }
-#pragma unroll
-            for (int m = 0; m < MR; m++) {
-                if (m >= M) break;
-                uint4 xv = load16(xs + m * K + k);
-                const half2* xh = reinterpret_cast<const half2*>(&xv);
-#pragma unroll
-                for (int i = 0; i < 4; i++) {
-                    float2 f = __half22float2(xh[i]);
-                    acc[m] += wf[2 * i] * f.x + wf[2 * i + 1] * f.y;
-                }
+            for (int i = 0; i < 4; i++) {
+                float2 wf = __half22float2(wh[i]), f = __half22float2(xh[i]);
+                acc += wf.x * f.x + wf.y * f.y;
             }
         }
         if (q % rounds != rounds - 1) return;
-        float mine = 0.f;  // the row is done: lane m keeps row m's total
-#pragma unroll
-        for (int m = 0; m < MR; m++) {
-            float s = warp_sum(acc[m]);
-            if (lane == m) mine = s;
-            acc[m] = 0.f;
-        }
+        const float total = warp_sum(acc);  // the row is done: every lane holds its total
+        acc = 0.f;
         const int n = first + q / rounds * stride;
-        if (lane < M) store_y(y, (long)lane * N + n, epilogue(mine, bias, residual, gelu, lane, n, N), y_f32);
+        if (lane == 0) store_y(y, n, epilogue(total, bias, residual, gelu, 0, n, N), y_f32);
     };
     for (int q = 0; q < Q; q += 2) {  // while one buffer is consumed, the other is on its way
         consume(wa, q);
@@ -487,25 +484,29 @@ __global__ void __launch_bounds__(256, R == 4 ? 4 : 2) matmul_gemv(const half* x
     }
 }
 
-// ---------------------------------------------------------------------------------------------
-// matmul_skinny: the same y = epilogue(x @ w.T) for decode batches of 2 to 8 rows of x, and for the lm_head
-// of up to 8 rows: its 50257 rows stream as fast here as through matmul_gemv. From 9 rows on, matmul_tc's
-// 64 x 32 tiles win (H200, queued, the tiles against this kernel at N x K = 2304 x 768: 64 rows 6.5 us
-// against 12.7, 16 rows 5.3 against 5.5, 8 rows 5.3 against 4.7).
-// Memory-bound: 2*M*N*K FLOPs over N*K*2 bytes of weights, which must stream at full bandwidth; a
-// 64-row tile would be mostly empty. A block owns 16 rows of w and uses the tensor cores with the
-// roles swapped: w is the mma's A (16 x k16), the 8 rows of x are its B. A dot product does not care in
-// which order k is summed, so each thread feeds the mma the 8 consecutive k it fetched with one
-// 16-byte load (of w and of x, the same k for both) instead of the fragment layout's scattered pairs:
-// no shared memory on the way in, w read once. The block's 4 warps take interleaved 64-wide chunks of
-// K, each issuing the loads of 4 chunks before its first mma (bytes in flight hide HBM latency), and
-// add up their sums in shared memory. When N alone gives too few blocks (768 x 3072), K is also split
-// across blockIdx.y: partial sums go to `partial`, and the last block of each column (a counter in
-// global memory) adds them up and runs the epilogue (and resets the counter for the next launch).
-extern "C" __global__ void __launch_bounds__(128) matmul_skinny(const half* x, const half* __restrict__ w,
-                                                                const half* __restrict__ bias, const half* residual,
-                                                                void* __restrict__ y, int M, int N, int K, int gelu,
-                                                                int y_f32, int k_per_split, float* partial, int* counters) {
+// mma.sync, one warp: c (16x8 fp32) += a (16x16 fp16, row) * b (16x8 fp16, col). Thread (g = lane/4, t = lane%4)
+// holds a: (g, 2t..2t+1) (g+8, 2t..) (g, 2t+8..) (g+8, 2t+8..); b: (2t.., g) (2t+8.., g); c: (g, 2t) (g, 2t+1) (g+8, 2t) (g+8, 2t+1).
+__device__ __forceinline__ void mma16816(float* c, const unsigned* a, const unsigned* b) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// 7. matmul_skinny: the same y = epilogue(x @ w.T) for decode batches of 2 to 8 rows of x, and for the lm_head
+// of up to 8 rows (its 50257 rows stream as fast here as through matmul_gemv); from 9 rows on, matmul_tc wins.
+// Memory-bound: 2*M*N*K FLOPs over N*K*2 bytes of weights, which must stream at full bandwidth; a 64-row
+// tile would be mostly empty. A block owns 16 rows of w and uses the tensor cores with the roles swapped: w
+// is the mma's A (16 x k16), the 8 rows of x are its B. A dot product does not care in which order k is
+// summed, so each thread feeds the mma the 8 consecutive k it fetched with one 16-byte load (of w and of x,
+// the same k for both) instead of the fragment layout's scattered pairs: no shared memory on the way in, w
+// read once. The block's 4 warps take interleaved 64-wide chunks of K, each issuing the loads of 4 chunks
+// before its first mma (bytes in flight hide HBM latency), and add up their sums in shared memory. When N
+// gives too few blocks (768 x 3072), K is split across blockIdx.y too: the splits' partial sums go to
+// `partial`, and the last block of each column to arrive adds them up and runs the epilogue.
+extern "C" __global__ void __launch_bounds__(128) matmul_skinny(
+    const half* x, const half* __restrict__ w, const half* __restrict__ bias, const half* residual, void* __restrict__ y,
+    int M, int N, int K, int gelu, int y_f32, int k_per_split, float* partial, int* counters) {
     constexpr int U = 4;  // chunks per warp step
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3, n0 = blockIdx.x * 16;
     const int k_begin = blockIdx.y * k_per_split, k_end = min(K, k_begin + k_per_split);
@@ -583,145 +584,231 @@ extern "C" __global__ void __launch_bounds__(128) matmul_skinny(const half* x, c
     }
 }
 
-// ---------------------------------------------------------------------------------------------
-// matmul_f32: the fp32 path, there for exact comparisons rather than speed (SIMT, no tensor cores).
-// Classic shared-memory tiling: a 64 x 64 tile of y per block, K by 16; each of 256 threads owns a
-// 4 x 4 patch, so every value read from shared memory feeds 4 FMAs. 2*M*N*K FLOPs.
-extern "C" __global__ void __launch_bounds__(256) matmul_f32(const float* x, const float* __restrict__ w,
-                                                             const float* __restrict__ bias, const float* residual, float* __restrict__ y,
-                                                             int M, int N, int K, int gelu) {
-    wait_for_inputs();
-    __shared__ float xs[16][64 + 4], ws[16][64 + 4];  // k-major: the inner loop reads along m and n
-    const int tx = threadIdx.x % 16, ty = threadIdx.x / 16, m0 = blockIdx.y * 64, n0 = blockIdx.x * 64;
-    float acc[4][4] = {};
-    for (int k0 = 0; k0 < K; k0 += 16) {
-        for (int i = threadIdx.x; i < 64 * 16; i += 256) {
-            int r = i / 16, k = k0 + i % 16;  // consecutive threads read consecutive k: coalesced
-            xs[i % 16][r] = (m0 + r < M && k < K) ? x[(long)(m0 + r) * K + k] : 0.f;
-            ws[i % 16][r] = (n0 + r < N && k < K) ? w[(long)(n0 + r) * K + k] : 0.f;
-        }
-        __syncthreads();
-#pragma unroll
-        for (int k = 0; k < 16; k++)
-#pragma unroll
-            for (int i = 0; i < 4; i++)
-#pragma unroll
-                for (int j = 0; j < 4; j++) acc[i][j] += xs[k][ty * 4 + i] * ws[k][tx * 4 + j];
-        __syncthreads();
-    }
-    for (int i = 0; i < 4; i++)
-        for (int j = 0; j < 4; j++) {
-            int m = m0 + ty * 4 + i, n = n0 + tx * 4 + j;
-            if (m < M && n < N) y[(long)m * N + n] = epilogue(acc[i][j], bias, residual, gelu, m, n, N);
-        }
+// Hopper's warpgroup tensor-core instruction (wgmma, sm_90a): the 128 threads of a warpgroup multiply a 64 x 16
+// tile of A by a 16 x N tile of B (N = 32, 128 or 144 here), both read straight from shared memory, into
+// 64 x N fp32 accumulators held N / 2 per thread. It is asynchronous: issue, commit, and wait for it before
+// touching the accumulators. Shared memory is described to it by a 64-bit descriptor. Our tiles are
+// "K-major with the 128-byte swizzle": each row holds 64 halves of K (128 bytes), rows come in groups of 8
+// (1024 bytes, the stride between groups), and the 16-byte chunk c of row r sits at chunk c ^ (r % 8), so
+// the 8 rows of a group spread their chunks over all the banks. The hardware applies the same XOR to the
+// address bits, which is why a tile must start 1024-byte aligned, and why stepping along K inside the 128
+// bytes is just adding 32 bytes (16 halves) to the start address. CI's nvcc builds plain sm_90, where the
+// instruction does not exist: that build traps instead (nanoinfer compiles for sm_90a).
+__device__ __forceinline__ unsigned long long smem_desc(unsigned addr) {
+    return ((addr & 0x3FFFF) >> 4) | (1ull << 16) | ((1024ull >> 4) << 32) | (1ull << 62);  // 62: 128-byte swizzle
+}
+// d (64 x N, fp32, N / 2 per thread) += a (64 x 16) @ b (N x 16)^T, for the tile widths matmul_tc uses
+#define ACC8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
+                "+f"(d[i + 6]), "+f"(d[i + 7])
+#define WGMMA_ASM(N, REGS, A, B) "{ .reg .pred p; setp.ne.b32 p, 1, 0;\n" \
+    "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32.f16.f16 {" REGS "}, " A ", " B ", p, 1, 1, 0, 0; }"
+template <int N> __device__ __forceinline__ void wgmma(float (&d)[N / 2], unsigned long long a, unsigned long long b) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    if constexpr (N == 32)
+        asm volatile(WGMMA_ASM(32, "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15", "%16", "%17")
+                     : ACC8(0), ACC8(8) : "l"(a), "l"(b));
+    else if constexpr (N == 128)
+        asm volatile(WGMMA_ASM(128,
+                     "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, "
+                     "%21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, "
+                     "%40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, "
+                     "%59, %60, %61, %62, %63", "%64", "%65")
+                     : ACC8(0), ACC8(8), ACC8(16), ACC8(24), ACC8(32), ACC8(40), ACC8(48), ACC8(56) : "l"(a), "l"(b));
+    else if constexpr (N == 144)
+        asm volatile(WGMMA_ASM(144,
+                     "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, "
+                     "%21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, "
+                     "%40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, "
+                     "%59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71", "%72", "%73")
+                     : ACC8(0), ACC8(8), ACC8(16), ACC8(24), ACC8(32), ACC8(40), ACC8(48), ACC8(56), ACC8(64) : "l"(a), "l"(b));
+    else static_assert(N == 0, "no wgmma wrapper for this tile width");
+#else
+    __trap();
+#endif
+}
+#undef ACC8
+#undef WGMMA_ASM
+__device__ __forceinline__ void wgmma_fence() {  // accumulators written by ordinary instructions: wgmma may use them
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#endif
+}
+template <int N> __device__ __forceinline__ void wgmma_commit_and_wait() {  // all but the last N groups are done
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+    asm volatile("wgmma.wait_group.sync.aligned %0;" :: "n"(N) : "memory");
+#endif
 }
 
-// ---------------------------------------------------------------------------------------------
-// layernorm: y = (x - mean) / sqrt(var + eps) * w + b per row. Decode folds it into the next matmul's
-// prologue (matmul_gemv); this kernel serves prefill, where the tiled matmul reads x through cp.async.
-// Memory-bound: bytes = 2*T*C*sizeof(T) (read x, write y), ~8 FLOPs per element. One warp per row;
-// each lane keeps its slice (up to 64 values, so C <= 2048) in registers, so the row is read once:
-// mean first, then the centred sum of squares (no cancellation).
-template <typename T>
-__global__ void __launch_bounds__(128) layernorm(const T* x, const T* w, const T* b, T* y, int rows, int C, float eps) {
-    constexpr int VEC = 16 / sizeof(T), NV = 64 / VEC;
-    const int row = blockIdx.x * 4 + threadIdx.x / 32, lane = threadIdx.x % 32;
-    // a decode step's few rows: the gain and bias go to L1 before the wait (no kernel writes them), so in a graph
-    // their trip to HBM overlaps the kernel before instead of following the statistics (H200: batch 8 decodes
-    // 3.5 % faster). Not for a prefill's thousands of blocks: 65536 rows ran at 12 % of copy, against 63 %.
-    if (rows <= 256) {
+// 8. matmul_tc: y (M,N) = epilogue(x (M,K) @ w (N,K)^T), fp16 in and out, fp32 accumulation, on wgmma.
+// Compute-bound at prefill sizes: 2*M*N*K FLOPs over (M*K + N*K + M*N) * 2 bytes. A block of BM/64
+// warpgroups owns a BM x BN tile of y (each warpgroup 64 x BN); K goes by 64 through a STAGES-deep cp.async
+// pipeline in the swizzled layout above, so STAGES - 1 tiles are in flight while the tensor cores chew on
+// one. When the tiles fill the SMs (prefill), 3 stages let two blocks share an SM, so one computes while the
+// other waits, and the tiles are 144 wide where that takes fewer rounds of blocks (2048 x 2304: 256 tiles of
+// 144 fill the 2 x 132 block slots in one round, 288 of 128 take two). With fewer tiles than SMs a block has
+// its SM alone: 4 or 8 stages, and the loop leaves one group of wgmma running across the barrier, so the
+// tensor cores do not wait for it. Decode batches of 9-512 rows take 64-row tiles with 8 stages, and tiles
+// only 32 wide while those fill no more than two blocks per SM: more tiles, each with fewer k-steps, finish
+// sooner (as in cuBLAS); K is also split across blockIdx.z as in matmul_skinny. Each thread copies one
+// 16-byte column chunk of every (threads/8)-th row: after the swizzle it lands at the same column of each
+// of its rows, so a tile's copies are a constant stride apart and cost a few instructions each. Rows past M
+// or N and chunks past K are zero-filled (K % 8 == 0 suffices). Bias, GELU and residual add happen in fp32.
+template <int BM, int BN, int STAGES>
+__global__ void __launch_bounds__(BM * 2, 256 / BM) matmul_tc(
+    const half* x, const half* __restrict__ w, const half* __restrict__ bias, const half* residual, void* __restrict__ y,
+    int M, int N, int K, int gelu, int y_f32, int k_per_split, float* partial, int* counters) {
+    constexpr int BK = 64, THREADS = BM * 2, RSTEP = THREADS / 8;
+    constexpr int A_BYTES = BM * BK * 2, STAGE_BYTES = (BM + BN) * BK * 2;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    const unsigned smem = (smem_addr(smem_raw) + 1023) & ~1023u;  // [STAGES][BM + BN rows][128 bytes]
+    const int tid = threadIdx.x, m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
+    const int kt0 = blockIdx.z * k_per_split / BK, ktiles = (min(K, (blockIdx.z + 1) * k_per_split) + BK - 1) / BK - kt0;
+    const int col = tid & 7, r0 = tid >> 3;  // this thread's chunk of K, and its first row
+    const unsigned dst = ((r0 * 8 + (col ^ (r0 & 7))) << 4);  // RSTEP is a multiple of 8: same swizzle every row
+
+    auto load_x = [&](int stage, int kt) {
+        const int k = (kt0 + kt) * BK + col * 8;
+        const unsigned base = smem + stage * STAGE_BYTES + dst;
 #pragma unroll
-        for (int i = 0; i < NV; i++) {
-            int c = (i * 32 + lane) * VEC;
-            if (c >= C) break;
-            prefetch_l1(w + c);
-            prefetch_l1(b + c);
+        for (int i = 0; i < BM / RSTEP; i++) {
+            int row = m0 + r0 + i * RSTEP;
+            bool ok = row < M && k < K;
+            cp_async16(base + i * RSTEP * 128, x + (ok ? (long)row * K + k : 0), ok);
+        }
+    };
+    auto load_w = [&](int stage, int kt) {
+        const int k = (kt0 + kt) * BK + col * 8;
+        const unsigned base = smem + stage * STAGE_BYTES + dst;
+#pragma unroll
+        for (int i = 0; i < (BN + RSTEP - 1) / RSTEP; i++) {
+            if (BN % RSTEP && r0 + i * RSTEP >= BN) break;  // BN = 144: the last 16 rows, by half the threads
+            int row = n0 + r0 + i * RSTEP;
+            bool ok = row < N && k < K;
+            cp_async16(base + A_BYTES + i * RSTEP * 128, w + (ok ? (long)row * K + k : 0), ok);
+        }
+    };
+
+    // with 4 or more stages one group of wgmma stays in flight across the barrier, and the loads run LAG tiles
+    // less far ahead: the stage they refill must be one that no running wgmma still reads
+    constexpr int LAG = STAGES >= 4 ? 1 : 0, AHEAD = STAGES - 1 - LAG;
+    for (int s = 0; s < AHEAD; s++)  // the first tiles' weights go out before the wait (no kernel writes them)
+        if (s < ktiles) load_w(s, s);
+    wait_for_inputs();
+    for (int s = 0; s < AHEAD; s++) {  // (the first group carries those weights too)
+        if (s < ktiles) load_x(s, s);
+        cp_async_commit();
+    }
+    const int wg = tid / 128;
+    float acc[BN / 2];  // y[m][n] for m = 16 * warp + lane / 4 (+8), n = 8 j + 2 (lane % 4) (+1): acc[4 j + ...]
+#pragma unroll
+    for (int i = 0; i < BN / 2; i++) acc[i] = 0.f;
+    for (int kt = 0; kt < ktiles; kt++) {
+        cp_async_wait<AHEAD - 1>();
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // cp.async's writes, visible to wgmma's reads
+        __syncthreads();  // tile kt has landed; the stage refilled next was last read by group kt - 1 - LAG, retired
+        if (kt + AHEAD < ktiles) {
+            load_x((kt + AHEAD) % STAGES, kt + AHEAD);
+            load_w((kt + AHEAD) % STAGES, kt + AHEAD);
+        }
+        cp_async_commit();
+        const unsigned a = smem + (kt % STAGES) * STAGE_BYTES + wg * 64 * 128;  // this warpgroup's 64 rows of x
+        const unsigned b = smem + (kt % STAGES) * STAGE_BYTES + A_BYTES;        // the BN rows of w
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BK; kk += 16) {
+            wgmma<BN>(acc, smem_desc(a + kk * 2), smem_desc(b + kk * 2));
+        }
+        wgmma_commit_and_wait<LAG>();
+    }
+    if constexpr (LAG > 0) wgmma_commit_and_wait<0>();  // (an empty group) the last LAG groups too
+
+    // The tile of y goes through shared memory (the stages are free now); each thread then walks 16-byte runs
+    // along its rows, so global stores and split-K's partial sums are coalesced rather than the accumulators'
+    // scattered pairs, and the epilogue is a loop rather than 64 unrolled copies (a far smaller kernel).
+    constexpr int TLD = BN + 8;  // row pitch (floats): the float2 writes miss no bank
+    constexpr int RUNS = BM * BN / 4 / THREADS, IN_FLIGHT = RUNS < 8 ? RUNS : 8;  // float4 runs per thread
+    static_assert(BM * TLD * 4 <= STAGES * STAGE_BYTES, "the tile of y fits in the pipeline's stages");
+    cp_async_wait<0>();
+    __syncthreads();
+    float* tile = reinterpret_cast<float*>(smem_raw + (smem - smem_addr(smem_raw)));  // (BM, TLD) fp32
+    const int lane = tid & 31, rw = wg * 64 + (tid & 127) / 32 * 16 + (lane >> 2), cw = 2 * (lane & 3);
+#pragma unroll
+    for (int i = 0; i < BN / 2; i += 2)  // acc[4 j + 2 hf + e] is the tile's (rw + 8 hf, 8 j + cw + e)
+        *reinterpret_cast<float2*>(&tile[(rw + (i & 2) * 4) * TLD + (i >> 2) * 8 + cw]) = make_float2(acc[i], acc[i + 1]);
+    __syncthreads();
+    auto run = [&](int u, int& r, int& c) { int q = tid + u * THREADS; r = q / (BN / 4); c = q % (BN / 4) * 4; };
+    if (gridDim.z > 1) {  // split-K (N % 4 == 0): leave this split's sums, and the last block adds all up
+#pragma unroll
+        for (int u = 0; u < RUNS; u++) {
+            int r, c;
+            run(u, r, c);
+            if (m0 + r < M && n0 + c < N)
+                *reinterpret_cast<float4*>(&partial[((long)blockIdx.z * M + m0 + r) * N + n0 + c]) =
+                    *reinterpret_cast<const float4*>(&tile[r * TLD + c]);
+        }
+        if (!last_to_arrive(&counters[blockIdx.y * gridDim.x + blockIdx.x], gridDim.z)) return;
+        for (int sp = 0; sp < (int)gridDim.z; sp++)  // in split order, its own too: the same sum whichever block is last
+#pragma unroll
+            for (int u0 = 0; u0 < RUNS; u0 += IN_FLIGHT) {
+                float4 v[IN_FLIGHT];  // loads in flight at once (16 would spill)
+#pragma unroll
+                for (int u = 0; u < IN_FLIGHT; u++) {
+                    int r, c;
+                    run(u0 + u, r, c);
+                    bool ok = m0 + r < M && n0 + c < N;
+                    v[u] = ok ? __ldcg(reinterpret_cast<const float4*>(&partial[((long)sp * M + m0 + r) * N + n0 + c]))
+                              : make_float4(0.f, 0.f, 0.f, 0.f);
+                }
+#pragma unroll
+                for (int u = 0; u < IN_FLIGHT; u++) {  // each thread adds to its own runs only: no barrier needed
+                    int r, c;
+                    run(u0 + u, r, c);
+                    float4* s = reinterpret_cast<float4*>(&tile[r * TLD + c]);
+                    if (sp > 0) v[u] = make_float4(s->x + v[u].x, s->y + v[u].y, s->z + v[u].z, s->w + v[u].w);
+                    *s = v[u];
+                }
+            }
+    }
+#pragma unroll 1
+    for (int u = 0; u < RUNS; u++) {
+        int r, c;
+        run(u, r, c);
+        const int row = m0 + r, col = n0 + c;
+        if (row >= M || col >= N) continue;
+        float v[4];
+#pragma unroll
+        for (int e = 0; e < 4; e++) v[e] = col + e < N ? epilogue(tile[r * TLD + c + e], bias, residual, gelu, row, col + e, N) : 0.f;
+        if (!y_f32 && N % 4 == 0) {  // 4 halves, one 8-byte store
+            half2 h[2] = {__floats2half2_rn(v[0], v[1]), __floats2half2_rn(v[2], v[3])};
+            *reinterpret_cast<uint2*>(reinterpret_cast<half*>(y) + (long)row * N + col) = *reinterpret_cast<uint2*>(h);
+        } else {
+            for (int e = 0; e < 4 && col + e < N; e++) store_y(y, (long)row * N + col + e, v[e], y_f32);
         }
     }
-    wait_for_inputs();
-    if (row >= rows) return;
-    const long off = (long)row * C;
-    float v[NV][VEC];
-    float sum = 0.f;
-#pragma unroll
-    for (int i = 0; i < NV; i++) {
-        int c = (i * 32 + lane) * VEC;
-        if (c >= C) break;
-        uint4 xr = load16(x + off + c);
-        const T* xe = reinterpret_cast<const T*>(&xr);
-#pragma unroll
-        for (int j = 0; j < VEC; j++) {
-            v[i][j] = to_float(xe[j]);
-            sum += v[i][j];
-        }
-    }
-    const float mean = warp_sum(sum) / C;
-    float sq = 0.f;
-#pragma unroll
-    for (int i = 0; i < NV; i++) {
-        if ((i * 32 + lane) * VEC >= C) break;
-#pragma unroll
-        for (int j = 0; j < VEC; j++) sq += (v[i][j] - mean) * (v[i][j] - mean);
-    }
-    const float rstd = rsqrtf(warp_sum(sq) / C + eps);
-#pragma unroll
-    for (int i = 0; i < NV; i++) {
-        int c = (i * 32 + lane) * VEC;
-        if (c >= C) break;
-        uint4 wr = load16(w + c), br = load16(b + c), out;
-        const T *we = reinterpret_cast<const T*>(&wr), *be = reinterpret_cast<const T*>(&br);
-        T* oe = reinterpret_cast<T*>(&out);
-#pragma unroll
-        for (int j = 0; j < VEC; j++) oe[j] = from_float<T>((v[i][j] - mean) * rstd * to_float(we[j]) + to_float(be[j]));
-        store16(y + off + c, out);
-    }
 }
 
-// ---------------------------------------------------------------------------------------------
-// embed: out[t] = wte[input_ids[t]] + wpe[positions[t]]. A gather, memory-bound: 3*T*C*sizeof(T) bytes.
-// One block per token, 16-byte vectors.
-template <typename T>
-__global__ void embed(const T* wte, const T* wpe, const int* ids, const int* pos, T* out, int C) {
-    wait_for_inputs();
-    constexpr int VEC = 16 / sizeof(T);
-    const T* a = wte + (long)ids[blockIdx.x] * C;
-    const T* p = wpe + (long)pos[blockIdx.x] * C;
-    T* o = out + (long)blockIdx.x * C;
-    for (int c = threadIdx.x * VEC; c < C; c += blockDim.x * VEC) {
-        uint4 ar = load16(a + c), pr = load16(p + c), r;
-        const T *ae = reinterpret_cast<const T*>(&ar), *pe = reinterpret_cast<const T*>(&pr);
-        T* re = reinterpret_cast<T*>(&r);
-#pragma unroll
-        for (int j = 0; j < VEC; j++) re[j] = from_float<T>(to_float(ae[j]) + to_float(pe[j]));
-        store16(o + c, r);
-    }
+// ldmatrix: four 8 x 8 tiles of halves from shared memory (one row address per lane) into registers in the
+// mma fragment layout (.trans: transposed); pack_half2: two floats rounded into the halves of an mma operand
+__device__ __forceinline__ void ldmatrix_x4(unsigned* r, unsigned addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned* r, unsigned addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+__device__ __forceinline__ unsigned pack_half2(float lo, float hi) {
+    half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<unsigned*>(&h);
 }
 
-// ---------------------------------------------------------------------------------------------
-// cache_write: k_cache.reshape(-1, H*D)[slot_mapping[t]] = k[t] (and v); slot -1 is padding: skipped.
-// A scatter, memory-bound: 4*T*H*D*sizeof(T) bytes. k and v may be strided views into the qkv
-// output (row stride kv_stride elements), so no copy is needed to split them out.
-template <typename T>
-__global__ void cache_write(const T* k, const T* v, int k_stride, int v_stride, T* k_cache, T* v_cache,
-                            const int* slot_mapping, int HD) {
-    wait_for_inputs();
-    constexpr int VEC = 16 / sizeof(T);
-    const long slot = slot_mapping[blockIdx.x];
-    if (slot < 0) return;
-    for (int c = threadIdx.x * VEC; c < HD; c += blockDim.x * VEC) {
-        store16(k_cache + slot * HD + c, load16(k + (long)blockIdx.x * k_stride + c));
-        store16(v_cache + slot * HD + c, load16(v + (long)blockIdx.x * v_stride + c));
-    }
-}
-
-// ---------------------------------------------------------------------------------------------
-// attention_prefill: causal attention for prefill and chunked-prefill query tiles (fp16, head_dim 64)
-// over the paged KV cache, FlashAttention-2 style. A block takes 64 queries of one (sequence, head),
-// 4 warps x 16 queries, and streams the sequence's keys and values 64 at a time through shared memory
-// (cp.async, double-buffered, each row gathered through the block table). S = Q K^T and O += P V run
-// on the tensor cores; each query keeps a running max and sum (online softmax), so the score matrix
-// never exists outside registers. Compute-bound for long prompts: 4 * 64 FLOPs per (query, visible
-// key) per head; bytes: Q and O once, K and V once per query tile (L2 absorbs the re-reads).
+// 9. attention_prefill: causal FlashAttention-2 for prefill and chunked-prefill query tiles (fp16, head_dim 64)
+// over the paged KV cache. A block takes 64 queries of one (sequence, head), 4 warps x 16 queries, and streams
+// the sequence's keys and values 64 at a time through shared memory (cp.async, double-buffered, rows gathered
+// through the block table). S = Q K^T and O += P V run on the tensor cores; each query keeps a running max and
+// sum (online softmax), so the score matrix never leaves the registers. Compute-bound for long prompts: 4 * 64
+// FLOPs per (query, visible key) per head; bytes: Q and O once, K and V once per query tile (mostly from L2).
 extern "C" __global__ void __launch_bounds__(128) attention_prefill(
     const half* __restrict__ q, int q_stride, const half* __restrict__ k_cache, const half* __restrict__ v_cache,
     const int* block_tables, int max_blocks, int block_size, const int* cu_seqlens_q, const int* context_lens,
@@ -840,153 +927,12 @@ extern "C" __global__ void __launch_bounds__(128) attention_prefill(
     }
 }
 
-// ---------------------------------------------------------------------------------------------
-// attention_rows: attention for single query rows (decode; also every row on the fp32 path), split
-// along the context: flash-decoding. Block (row, head, split) takes keys [split*chunk, ...) of the
-// row's visible keys. One query reads every key once, so this is memory-bound: 2*len*64*sizeof(T)
-// bytes (K and V) for 4*len*64 FLOPs per (row, head). Lanes work in groups of 64/VEC (8 for fp16), one
-// key per group, one 16-byte chunk of K and of V per lane; each group keeps its own running max, sum
-// and output, merged across the warp and then across the 4 warps at the end. The bandwidth comes from
-// bytes in flight: each thread copies its own chunks of the next 7 key tiles into shared memory with
-// cp.async, which holds no registers while they fly (H200, 256 rows of 128-1024 keys: 86 % of the copy
-// bandwidth, against 71 % with two tiles' loads in registers; 64 rows of 900 keys: 86 % against 68 %).
-// Only the thread that copied a chunk reads it, so the ring needs no barrier. With one split the
-// result goes straight to `out`. With several (so that 12 heads of one sequence still fill 132 SMs),
-// each split writes its normalised output and log-sum-exp, and the last split of a (row, head) to
-// finish (an arrival counter, as in matmul_skinny) combines them: out = sum_s exp2(lse_s - max) * o_s
-// / sum_s exp2(lse_s - max). The merge lives in the same kernel, so it costs no launch of its own.
-// Decode also folds in the cache write: given k_new and v_new (this step's K and V, rows of the qkv
-// output), row r's own key (its last, len - 1) is read from there, and the split that holds it stores
-// it in the cache at slot_mapping[row_q[r]], for the steps after this one.
-template <typename T>
-__global__ void __launch_bounds__(128) attention_rows(
-    const T* q, int q_stride, const T* k_new, const T* v_new, int kv_stride,
-    const int* slot_mapping, T* k_cache, T* v_cache,
-    const int* block_tables, int max_blocks, int block_size, const int* row_q, const int* row_seq,
-    const int* row_len, int H, float scale_log2, T* out, float* part_o, float* part_lse, int* counters) {
-    constexpr int D = 64, VEC = 16 / sizeof(T), LPK = D / VEC, KPW = 32 / LPK;  // lanes per key, keys per warp
-    const int r = blockIdx.x, h = blockIdx.y, split = blockIdx.z;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, grp = lane / LPK, sub = lane % LPK;
-    // Before wait_for_inputs: only the qkv matmul just before writes q and this step's K and V; the row plan,
-    // the block tables and the cache up to each row's previous key come from kernels finished before it.
-    // at least 32 keys per split: a short row (or a CUDA graph planned for the longest context) uses fewer
-    const int qr = row_q[r], len = row_len[r], nsplit = min((int)gridDim.z, (len + 31) / 32);
-    if (split >= nsplit) return;
-    const int chunk = (len + nsplit - 1) / nsplit, k_begin = split * chunk, k_end = min(len, k_begin + chunk);
-    const int* table = block_tables + (long)row_seq[r] * max_blocks;
-    auto slot_off = [&](int j) { return (((long)table[j / block_size] * block_size + j % block_size) * H + h) * D; };
-    constexpr int RING = 8;  // key tiles in flight (ring4: 93 % at 256 rows of 430 keys, 77 % at 128 of 800)
-    __shared__ __align__(16) uint4 ring[RING][2][128];  // [tile][K, V][thread]
-    const int own = len - 1;  // the row's own key: from k_new (this step's), never copied from the cache
-    auto fetch = [&](int it) {  // tile it holds key k_begin + 4 KPW it + KPW warp + grp
-        const int j = k_begin + 4 * KPW * it + warp * KPW + grp;
-        if (j < k_end && j != own) {
-            cp_async16(smem_addr(&ring[it % RING][0][threadIdx.x]), k_cache + slot_off(j) + sub * VEC, true);
-            cp_async16(smem_addr(&ring[it % RING][1][threadIdx.x]), v_cache + slot_off(j) + sub * VEC, true);
-        }
-        cp_async_commit();
-    };
-    for (int it = 0; it < RING - 1; it++) fetch(it);  // the cache up to the row's previous key: on their way now
-    wait_for_inputs();
-    const long new_off = (long)qr * kv_stride + h * D;  // this row's own K and V in k_new / v_new
-    if (k_new && split == nsplit - 1 && threadIdx.x < LPK && slot_mapping[qr] >= 0) {
-        const long dst = ((long)slot_mapping[qr] * H + h) * D + threadIdx.x * VEC;
-        store16(k_cache + dst, load16(k_new + new_off + threadIdx.x * VEC));
-        store16(v_cache + dst, load16(v_new + new_off + threadIdx.x * VEC));
-    }
-
-    float qv[VEC], o[VEC], m = NEG_INF, l = 0.f;
-    uint4 qraw = load16(q + (long)qr * q_stride + h * D + sub * VEC);
-#pragma unroll
-    for (int i = 0; i < VEC; i++) { qv[i] = to_float(reinterpret_cast<const T*>(&qraw)[i]) * scale_log2; o[i] = 0.f; }
-
-    for (int it = 0, base = k_begin + warp * KPW; base < k_end; it++, base += 4 * KPW) {  // same trip count for the warp
-        cp_async_wait<RING - 2>();  // tile it has landed
-        fetch(it + RING - 1);       // into the slot of tile it - 1, used up
-        const int j = base + grp;
-        const bool ok = j < k_end;
-        float s = 0.f;
-        uint4 kraw, vraw;
-        if (ok && j == own) {
-            kraw = load16((k_new ? k_new + new_off : k_cache + slot_off(j)) + sub * VEC);
-            vraw = load16((k_new ? v_new + new_off : v_cache + slot_off(j)) + sub * VEC);
-        } else if (ok) {
-            kraw = ring[it % RING][0][threadIdx.x];
-            vraw = ring[it % RING][1][threadIdx.x];
-        }
-        if (ok) {
-#pragma unroll
-            for (int i = 0; i < VEC; i++) s += qv[i] * to_float(reinterpret_cast<const T*>(&kraw)[i]);
-        }
-        for (int off = LPK / 2; off > 0; off >>= 1) s += __shfl_xor_sync(FULL_MASK, s, off);
-        if (ok) {
-            float mn = fmaxf(m, s), c = exp2f(m - mn), p = exp2f(s - mn);
-            l = l * c + p;
-#pragma unroll
-            for (int i = 0; i < VEC; i++) o[i] = o[i] * c + p * to_float(reinterpret_cast<const T*>(&vraw)[i]);
-            m = mn;
-        }
-    }
-    // merge the key groups of this warp (lanes with the same `sub`)
-    for (int off = LPK; off < 32; off <<= 1) {
-        float m2 = __shfl_xor_sync(FULL_MASK, m, off), l2 = __shfl_xor_sync(FULL_MASK, l, off);
-        float mn = fmaxf(m, m2);
-        float c1 = mn == NEG_INF ? 0.f : exp2f(m - mn), c2 = mn == NEG_INF ? 0.f : exp2f(m2 - mn);
-#pragma unroll
-        for (int i = 0; i < VEC; i++) o[i] = o[i] * c1 + __shfl_xor_sync(FULL_MASK, o[i], off) * c2;
-        l = l * c1 + l2 * c2;
-        m = mn;
-    }
-    // then the 4 warps
-    __shared__ float sm_o[4][D], sm_m[4], sm_l[4];
-    if (grp == 0) {
-#pragma unroll
-        for (int i = 0; i < VEC; i++) sm_o[warp][sub * VEC + i] = o[i];
-        if (sub == 0) { sm_m[warp] = m; sm_l[warp] = l; }
-    }
-    __syncthreads();
-    const int d = threadIdx.x;
-    if (d < D) {
-        float mx = fmaxf(fmaxf(sm_m[0], sm_m[1]), fmaxf(sm_m[2], sm_m[3])), L = 0.f, acc = 0.f;
-        if (mx != NEG_INF)
-            for (int w = 0; w < 4; w++) {
-                float c = exp2f(sm_m[w] - mx);
-                L += sm_l[w] * c;
-                acc += sm_o[w][d] * c;
-            }
-        if (nsplit == 1) {
-            out[((long)qr * H + h) * D + d] = from_float<T>(acc / L);
-            return;
-        }
-        const long pi = ((long)r * H + h) * gridDim.z + split;
-        part_o[pi * D + d] = L > 0.f ? acc / L : 0.f;
-        if (d == 0) part_lse[pi] = L > 0.f ? mx + log2f(L) : NEG_INF;
-    }
-    if (nsplit == 1 || !last_to_arrive(&counters[r * H + h], nsplit)) return;
-    const long base = ((long)r * H + h) * gridDim.z;
-    __shared__ float lse[32];  // nsplit <= 32 (the host plans so); loaded in one round, not one per split
-    if (threadIdx.x < nsplit) lse[threadIdx.x] = __ldcg(&part_lse[base + threadIdx.x]);
-    __syncthreads();
-    if (d >= D) return;
-    float mx = NEG_INF, L = 0.f, acc = 0.f;
-    for (int s = 0; s < nsplit; s++) mx = fmaxf(mx, lse[s]);  // split 0 is never empty, so mx is finite
-#pragma unroll 8
-    for (int s = 0; s < nsplit; s++) {
-        float c = exp2f(lse[s] - mx);
-        L += c;
-        acc += c * __ldcg(&part_o[(base + s) * D + d]);
-    }
-    out[((long)qr * H + h) * D + d] = from_float<T>(acc / L);
-}
-
-// ---------------------------------------------------------------------------------------------
-// sample_tokens: one token per row of fp32 logits (R, V), as sample_row in nanoinfer.py defines it (greedy;
+// 10. sample_tokens: one token per row of fp32 logits (R, V), as sample_row in nanoinfer.py defines it (greedy;
 // temperature; top-k and top-p as thresholds on p = exp((logit - max) / temperature); a counter-based
-// splitmix64 uniform; the first index whose running sum of kept p exceeds u * kept mass). One block
-// per row, so only R token ids leave the GPU, never the logits. No sort: for p >= 0 the float bit
-// pattern orders like the value, so a binary search over bit patterns (~30 passes, each a count or
-// sum over p, cached in shared memory) finds the exact k-th largest p and the exact top-p threshold.
-// Reads 4*V bytes from HBM once; masses are summed in fp64.
+// splitmix64 uniform; the first index whose running sum of kept p exceeds u * kept mass). One block per row,
+// so only R token ids leave the GPU, never the logits. No sort: for p >= 0 the float bit pattern orders like
+// the value, so a binary search over bit patterns (~30 passes over the V values of p, cached in shared
+// memory) finds the exact k-th largest p and top-p threshold. Reads 4*V bytes once per row; fp64 masses.
 __device__ double block_sum(double v, double* scratch) {
     for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(FULL_MASK, v, off);
     __syncthreads();  // scratch may still be in use by the previous call
@@ -1106,13 +1052,14 @@ extern "C" __global__ void __launch_bounds__(1024, 1) sample_tokens(
 }
 
 // ---------------------------------------------------------------------------------------------
-// decode_advance: the last kernel of a CUDA-graph decode step, so that the next step can start with no
-// host in between (multi-step decoding): each row's sampled token is kept in a ring of history rows
-// (row substep % ring, so one run's rows can be read while the next run writes its own). A live row
-// then moves on: its token becomes its next input, its position and context length grow by one, its
-// new KV slot is looked up in its block table (the engine reserved those blocks) and its sampling
-// counter steps, unless that was the last token it may take (`remaining`): then it turns into padding
-// (slot -1, never written), as rows past the batch are. Tiny: one thread per row, 8 ints each.
+// CUDA-graph helpers: the two small kernels that let a captured decode step run again without the host.
+// 11. decode_advance: a CUDA-graph decode step's last kernel, so that the next step can start with no host in
+// between (multi-step decoding): each row's sampled token is kept in a ring of history rows (row substep %
+// ring, so one run's rows can be read while the next run writes its own). A live row then moves on: its
+// token becomes its next input, its position and context length grow by one, its new KV slot is looked up in
+// its block table (the engine reserved those blocks) and its sampling counter steps, unless that was the last
+// token it may take (`remaining`): then it becomes padding (slot -1), as rows past the batch are. Tiny: one
+// thread per row, 8 ints each.
 extern "C" __global__ void decode_advance(const int* tokens, int* input_ids, int* positions, int* context_lens,
                                           int* slot_mapping, int* step, int* remaining, const int* block_tables,
                                           int max_blocks, int block_size, int* history, int ring, int* substep, int B) {
@@ -1135,10 +1082,8 @@ extern "C" __global__ void decode_advance(const int* tokens, int* input_ids, int
     slot_mapping[i] = blk < max_blocks ? block_tables[(long)i * max_blocks + blk] * block_size + pos % block_size : -1;
 }
 
-// ---------------------------------------------------------------------------------------------
-// take_rows: out[i] = src[rows[i]] for i < n. When the decode rows that go on fit a smaller CUDA graph, their
-// next input tokens, which decode_advance left on the GPU, move into that graph's buffer with this, so the
-// host need not wait for them. Tiny: one thread per row (n <= 256).
+// 12. take_rows: out[i] = src[rows[i]] for i < n. When the decode rows that go on fit a smaller CUDA graph,
+// their next input tokens (left on the GPU by decode_advance) move into its buffer without the host. Tiny.
 extern "C" __global__ void take_rows(const int* src, const int* rows, int* out, int n) {
     const int i = threadIdx.x;
     if (i < n) out[i] = src[rows[i]];
@@ -1146,18 +1091,10 @@ extern "C" __global__ void take_rows(const int* src, const int* rows, int* out, 
 
 // nvcc (CI) compiles every instantiation NVRTC gets through name_expressions, so ptxas sees them all
 #ifndef __CUDACC_RTC__
-#define TC(BM, BN, S) template __global__ void matmul_tc<BM, BN, S>(const half*, const half*, const half*, const half*, void*, \
-                                                          int, int, int, int, int, int, float*, int*);
-TC(128, 128, 3) TC(128, 144, 3) TC(128, 128, 4) TC(64, 128, 3) TC(64, 128, 8) TC(64, 32, 8)
-#define GEMV(MR, R) template __global__ void matmul_gemv<MR, R>(const half*, const half*, const half*, const half*, \
-                                                                void*, int, int, int, int, int, const half*, const half*, float);
-GEMV(1, 4) GEMV(1, 8)
-#define PER_TYPE(T)                                                                                           \
-    template __global__ void layernorm<T>(const T*, const T*, const T*, T*, int, int, float);                 \
-    template __global__ void embed<T>(const T*, const T*, const int*, const int*, T*, int);                   \
-    template __global__ void cache_write<T>(const T*, const T*, int, int, T*, T*, const int*, int);           \
-    template __global__ void attention_rows<T>(const T*, int, const T*, const T*, int, const int*, T*, T*,    \
-                                               const int*, int, int, const int*, const int*, const int*, int, \
-                                               float, T*, float*, float*, int*);
-PER_TYPE(float) PER_TYPE(half)
+#define INSTANTIATE(...) template __global__ decltype(__VA_ARGS__) __VA_ARGS__;
+INSTANTIATE(matmul_tc<128, 128, 3>) INSTANTIATE(matmul_tc<128, 144, 3>) INSTANTIATE(matmul_tc<128, 128, 4>)
+INSTANTIATE(matmul_tc<64, 128, 3>) INSTANTIATE(matmul_tc<64, 128, 8>) INSTANTIATE(matmul_tc<64, 32, 8>)
+INSTANTIATE(matmul_gemv<4>) INSTANTIATE(matmul_gemv<8>)
+INSTANTIATE(embed<float>) INSTANTIATE(cache_write<float>) INSTANTIATE(layernorm<float>) INSTANTIATE(attention_decode<float>)
+INSTANTIATE(embed<half>) INSTANTIATE(cache_write<half>) INSTANTIATE(layernorm<half>) INSTANTIATE(attention_decode<half>)
 #endif

@@ -1,23 +1,19 @@
 """
-nanoinfer: GPT-2 inference, fast, in a few files.
+nanoinfer: GPT-2 inference, fast, in a few files. This one is the whole engine on numpy, readable alone.
 
-Read top to bottom: weights and tokenizer, the numpy backend (the readable definition of every op),
-the CUDA backend (the same ops as hand-written kernels from kernels.cu), the GPT-2 forward over one flat
-batch of tokens, the sampler, and the LLM engine that ties them to the paged KV cache (paged_kv.py) and
-the continuous-batching scheduler (scheduler.py).
+Read top to bottom: config and weights, the tokenizer, the op set (numpy: the definition of every kernel), the
+sampler, the GPT-2 forward over one flat batch of tokens, and the LLM engine, whose step() is schedule -> batch ->
+run -> postprocess over the paged KV cache (paged_kv.py) and the continuous-batching scheduler (scheduler.py).
+On a GPU, cuda_backend.py supplies the same op set as kernels (kernels.cu) and a runner that replays decode steps
+from CUDA graphs: every speed trick is behind that one door.
 """
-import ctypes
-import functools
 import itertools
 import json
 import math
-import re
 import sys
-import types
-import time
-from collections import namedtuple
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -282,22 +278,14 @@ class NumpyBackend:
 
 
 def make_backend(device, dtype):
+    """The op set to run on: numpy (fp32), or cuda_backend's kernels (fp16 by default) on a Hopper GPU."""
     if device not in ("auto", "cpu", "cuda"):
         raise ValueError(f"device={device!r}: use 'auto', 'cpu' or 'cuda'")
     if device != "cpu":
-        try:
-            import cupy
-            gpu = cupy.cuda.runtime.getDeviceCount() > 0
-            cc = cupy.cuda.Device().attributes if gpu else {}
-        except Exception as e:
-            gpu, why = False, f"{type(e).__name__}: {e}"
-        else:
-            why = "no GPU is visible"
-            if gpu and cc.get("ComputeCapabilityMajor", 9) != 9:  # kernels.cu uses Hopper's wgmma
-                gpu, why = False, (f"the GPU has compute capability {cc['ComputeCapabilityMajor']}."
-                                   f"{cc.get('ComputeCapabilityMinor', 0)}; the kernels are Hopper's (9.0: H100, H200)")
-        if gpu:
-            return CudaBackend(np.dtype(dtype or np.float16))
+        import cuda_backend
+        why = cuda_backend.find_gpu()
+        if why is None:
+            return cuda_backend.CudaBackend(np.dtype(dtype or np.float16))
         if device == "cuda":
             raise RuntimeError(f"device='cuda' needs CuPy and an NVIDIA Hopper GPU ({why}): "
                                "pip install cupy-cuda13x on an H100 or H200, or use device='cpu'")
@@ -305,371 +293,6 @@ def make_backend(device, dtype):
     if dtype is not None and np.dtype(dtype) != np.float32:
         raise ValueError(f"dtype={np.dtype(dtype).name} on the CPU: numpy has no fast half-precision matmul; use float32")
     return NumpyBackend(np.float32)
-
-# -----------------------------------------------------------------------------
-# the CUDA backend: the same ops as hand-written kernels (kernels.cu), launched through CuPy
-
-cp = None  # cupy, imported when a CudaBackend is made
-KERNELS_CU = Path(__file__).with_name("kernels.cu")
-# matmul_tc<BM, BN, stages>
-TC_SHAPES = ((128, 128, 3), (128, 144, 3), (128, 128, 4), (64, 128, 3), (64, 128, 8), (64, 32, 8))
-TEMPLATES = ([f"matmul_tc<{bm},{bn},{s}>" for bm, bn, s in TC_SHAPES] + ["matmul_gemv<1,4>", "matmul_gemv<1,8>"] +
-             [f"{k}<{t}>" for t in ("float", "half") for k in ("layernorm", "embed", "cache_write", "attention_rows")])
-PLAIN = ["matmul_f32", "matmul_skinny", "attention_prefill", "sample_tokens", "decode_advance", "take_rows"]
-SPLITK_SCRATCH = 1 << 22  # floats of split-K partial sums (16 MB), enough for every GPT-2 decode shape
-GEMV_LIGHT = 8 << 20  # single-stream matrices up to this many bytes take matmul_gemv<1,4> (4 blocks per SM)
-GEMV_SMEM = 224 * 1024  # matmul_gemv keeps x in shared memory: K * 2 bytes at most
-SKINNY_MAX_M = 8      # decode batches up to this many rows stream the weights through matmul_skinny
-PREFILL_MIN_Q = 16    # fp16 sequences with this many queries in a step use the tensor-core attention
-SAMPLE_SMEM = 200 * 1024 + 4 * 1024  # sample_tokens caches a row's p in shared memory up to V = 52224
-_kernels = None       # compiled once per process (and cached on disk by CuPy across processes)
-
-
-def compile_kernels():
-    """Compile kernels.cu once; return {name: cupy.RawKernel}. A compile error names the source lines."""
-    global _kernels
-    if _kernels is None:
-        src = KERNELS_CU.read_text()
-        try:
-            # sm_90a: Hopper's wgmma (matmul_tc); CuPy adds --std=c++17
-            mod = cp.RawModule(code=src, options=("-arch=sm_90a",), name_expressions=TEMPLATES)
-            kernels = {name: mod.get_function(name) for name in TEMPLATES + PLAIN}
-        except cp.cuda.compiler.CompileException as e:
-            log, lines = e.get_message(), src.splitlines()
-            where = [f"  kernels.cu:{n}: {lines[int(n) - 1].strip()}"
-                     for n in dict.fromkeys(re.findall(r"\((\d+)\): error", log)) if 0 < int(n) <= len(lines)]
-            raise RuntimeError(f"{KERNELS_CU} failed to compile (NVRTC):\n" + "\n".join(where) +
-                               "\n\nfull compiler log:\n" + log.replace("kern.cu(", "kernels.cu(")) from None
-        for bm, bn, stages in TC_SHAPES:  # its pipeline needs > 48 KB of shared memory
-            kernels[f"matmul_tc<{bm},{bn},{stages}>"].max_dynamic_shared_size_bytes = _tc_smem(bm, bn, stages)
-        for name in ("matmul_gemv<1,4>", "matmul_gemv<1,8>"):
-            kernels[name].max_dynamic_shared_size_bytes = GEMV_SMEM
-        kernels["sample_tokens"].max_dynamic_shared_size_bytes = SAMPLE_SMEM  # p of a whole row
-        _kernels = kernels
-    return _kernels
-
-
-class _LaunchAttribute(ctypes.Structure):  # cuda.h's CUlaunchAttribute: an id, then a 64-byte union at offset 8
-    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_int), ("value", ctypes.c_int), ("rest", ctypes.c_char * 60)]
-
-
-class _LaunchConfig(ctypes.Structure):  # cuda.h's CUlaunchConfig
-    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_mem", ctypes.c_uint),
-                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
-
-
-@functools.cache
-def _libcuda():
-    lib = ctypes.CDLL("libcuda.so.1")  # the driver, loaded already by CuPy
-    lib.cuLaunchKernelEx.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-    return lib
-
-
-def _tc_smem(bm, bn, stages):
-    return stages * (bm + bn) * 128 + 1024  # (BM + BN) rows of 128 bytes per stage, and room to align to 1024
-
-
-def _cdiv(a, b):
-    return -(-a // b)
-
-
-class CudaBackend:
-    """The numpy backend's ops as hand-written kernels. Arrays are CuPy arrays; kernels get bare pointers, so
-    each op makes sure its inputs are contiguous (or row-strided views with contiguous heads, for q/k/v in
-    the qkv output) and passes every scalar as np.int32 / np.float32 (a Python float would arrive as a double)."""
-    name = "cuda"
-
-    def __init__(self, dtype=np.float16):
-        global cp
-        import cupy as cp
-        self.dtype = np.dtype(dtype)
-        if self.dtype not in (np.float16, np.float32):
-            raise ValueError(f"CudaBackend: dtype must be float16 or float32, got {self.dtype}")
-        self.k = compile_kernels()
-        self.t = "half" if self.dtype == np.float16 else "float"
-        self.vec = 16 // self.dtype.itemsize  # elements per 16-byte vector
-        self.num_sms = cp.cuda.Device().attributes["MultiProcessorCount"]
-        self.fuse = True  # False runs layernorms, bias, GELU and residual adds as kernels of their own
-        self._gelu = cp.ElementwiseKernel("T x", "T y", "float v = x; y = 0.5f * v * (1.f + tanhf(0.7978845608f * "
-                                          "(v + 0.044715f * v * v * v)))", "gelu_tanh")  # the unfused GELU
-        # split-K scratch, allocated once: a CUDA graph keeps pointers, so nothing it uses may move later
-        self._counters = cp.zeros(4096, np.int32)  # split-K and split-context arrival counters (self-resetting)
-        self._partial = cp.empty(SPLITK_SCRATCH, np.float32)  # split-K partial sums
-        self.pdl = True  # False captures CUDA graphs whose kernels each wait for the one before to finish
-        self._dependent = False  # launching into a graph capture with pdl on
-
-    # ---- launching ----------------------------------------------------------------------------
-    def launch(self, name, grid, block, args, shared_mem=0):
-        """Launch kernels.cu's kernel `name` on the current stream. Inside capture() with pdl on, as a
-        programmatic dependent launch: the kernel may start while the kernel before it is still running, loads
-        its weights, and waits for that kernel's outputs at griddepcontrol.wait (kernels.cu, wait_for_inputs).
-        CuPy cannot ask for that, so the driver's cuLaunchKernelEx is called through ctypes; eager steps keep
-        CuPy's launcher, which costs less host time per launch."""
-        kernel = self.k[name]
-        if not self._dependent:
-            return kernel(grid, block, args, shared_mem=shared_mem)
-        values = [ctypes.c_void_p(a.data.ptr) if isinstance(a, cp.ndarray) else  # as CuPy passes them:
-                  ctypes.create_string_buffer(a.tobytes(), a.nbytes) if isinstance(a, np.generic) else  # its bytes
-                  ctypes.c_int64(a) for a in args]  # a Python int (0: a null pointer) as a 64-bit integer
-        params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
-        attr = _LaunchAttribute(id=6, value=1)  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION: allowed
-        dims = [tuple(d) + (1,) * (3 - len(d)) for d in (grid, block)]
-        config = _LaunchConfig(dims[0], dims[1], shared_mem, cp.cuda.get_current_stream().ptr, ctypes.pointer(attr), 1)
-        err = _libcuda().cuLaunchKernelEx(ctypes.byref(config), ctypes.c_void_p(kernel.kernel.ptr), params, None)
-        if err:
-            raise RuntimeError(f"cuLaunchKernelEx({name}) failed with CUresult {err}")
-
-    def capture(self, stream, step):
-        """The kernels step() launches on `stream`, captured as a CUDA graph (with dependent launches if pdl)."""
-        stream.begin_capture()
-        self._dependent = self.pdl
-        try:
-            step()
-        finally:
-            self._dependent = False
-            graph = stream.end_capture()
-        return graph
-
-    # ---- arrays -------------------------------------------------------------------------------
-    def asarray(self, a, dtype=None):  # floating arrays take the backend's dtype, as in NumpyBackend
-        a = cp.asarray(a)
-        return cp.ascontiguousarray(a, dtype=dtype or (self.dtype if a.dtype.kind == "f" else a.dtype))
-
-    def tohost(self, a):
-        return cp.asnumpy(a)
-
-    def empty(self, shape, dtype=None):  # every op allocates its output here (tests poison it)
-        return cp.empty(shape, dtype=self.dtype if dtype is None else dtype)
-
-    def zeros(self, shape, dtype=None):
-        return cp.zeros(shape, dtype=self.dtype if dtype is None else dtype)
-
-    def memory_info(self):
-        cp.get_default_memory_pool().free_all_blocks()  # blocks CuPy caches for reuse count as free here
-        return cp.cuda.runtime.memGetInfo()  # (free, total) bytes
-
-    def _ready(self, a, dtype=None):
-        """a as a C-contiguous, 16-byte-aligned cupy array of `dtype` (default: the backend's). Most inputs
-        already are one, and cp.asarray would cost a microsecond or two of host time even for them."""
-        dtype = self.dtype if dtype is None else dtype
-        if type(a) is not cp.ndarray or a.dtype != dtype:
-            a = cp.asarray(a, dtype=dtype)
-        return a if a.flags.c_contiguous and a.data.ptr % 16 == 0 else a.copy()
-
-    def _rows(self, a):
-        """(a, row stride in elements) for a (T, H, D) array whose heads are contiguous within a token
-        (q, k, v as views into the qkv matmul output need no copy); anything else is copied."""
-        a = cp.asarray(a, dtype=self.dtype)
-        D, isz = a.shape[2], a.itemsize
-        if a.strides[1:] != (D * isz, isz) or a.strides[0] % 16 or a.data.ptr % 16:
-            a = a.copy()
-        return a, a.strides[0] // isz
-
-    # ---- ops ----------------------------------------------------------------------------------
-    def embed(self, wte, wpe, input_ids, positions):
-        ids, pos = self._ready(input_ids, np.int32), self._ready(positions, np.int32)
-        C = wte.shape[1]
-        assert C % self.vec == 0, f"embed: C={C} must be a multiple of {self.vec}"
-        out = self.empty((ids.shape[0], C))
-        if ids.shape[0]:
-            self.launch(f"embed<{self.t}>", (ids.shape[0],), (128,),
-                        (self._ready(wte), self._ready(wpe), ids, pos, out, np.int32(C)))
-        return out
-
-    def layernorm(self, x, w, b, eps):
-        x = self._ready(x)
-        T, C = x.shape
-        assert C % self.vec == 0 and C <= 2048, f"layernorm: C={C} must be a multiple of {self.vec} and <= 2048"
-        y = self.empty((T, C))
-        if T:
-            self.launch(f"layernorm<{self.t}>", (_cdiv(T, 4),), (128,),
-                        (x, self._ready(w), self._ready(b), y, np.int32(T), np.int32(C), np.float32(eps)))
-        return y
-
-    def matmul(self, x, w, bias=None, gelu=False, residual=None, ln=None, out_dtype=None):
-        M, K = x.shape
-        N = w.shape[0]
-        # matmul_gemv for one row of x (the layernorm rides along for K <= 2048: every GPT-2), but not for the
-        # lm_head's 50257 rows, which stream as fast through the tensor cores; from two rows on, the tensor cores
-        # win everywhere (H200: batch 8 decoded 21,900 tokens/s with matmul_skinny, 13,800 with a gemv)
-        gemv = self.dtype == np.float16 and M == 1 and K * 2 <= GEMV_SMEM and N <= 16384 and \
-            (ln is None or K <= 2048)
-        if ln is not None and not (self.fuse and gemv):  # the layernorm as a kernel of its own
-            x, ln = self.layernorm(x, *ln), None
-        if not self.fuse and (bias is not None or gelu or residual is not None):
-            # the unfused path, to measure what fusion saves: each epilogue step is one more pass over y
-            y = self.matmul(x, w)
-            if bias is not None:
-                y += bias
-            if gelu:
-                y = self._gelu(y)
-            if residual is not None:
-                y += residual
-            return y if out_dtype is None else y.astype(out_dtype)
-        x, w = self._ready(x), self._ready(w)
-        if w.shape[1] != K:
-            raise ValueError(f"matmul: x is (M, K) = {x.shape} but w is {w.shape}, expected (N, {K})")
-        if self.dtype == np.float16 and K % 8:
-            raise ValueError(f"matmul: K={K} must be a multiple of 8 (rows are read as 16-byte vectors)")
-        f32 = self.dtype == np.float32 or np.dtype(out_dtype or self.dtype) == np.float32  # logits: from the accumulator
-        y = self.empty((M, N), np.float32 if f32 else self.dtype)
-        if M == 0 or N == 0:
-            return y
-        bias = 0 if bias is None else self._ready(bias)
-        residual = 0 if residual is None else self._ready(residual)
-        args = (x, w, bias, residual, y, np.int32(M), np.int32(N), np.int32(K), np.int32(bool(gelu)))
-        if self.dtype == np.float32:
-            self.launch("matmul_f32", (_cdiv(N, 64), _cdiv(M, 64)), (256,), args)
-        elif gemv:
-            ln_w, ln_b, eps = (0, 0, 0.0) if ln is None else (self._ready(ln[0]), self._ready(ln[1]), ln[2])
-            blocks = min(_cdiv(N, 8), 2 * self.num_sms)  # one wave: each warp walks its rows of w
-            light = N * K * 2 <= GEMV_LIGHT  # 4 loads per lane per round leave room for the next kernel's blocks
-            self.launch(f"matmul_gemv<1,{4 if light else 8}>", (blocks,), (256,),
-                        args + (np.int32(f32), ln_w, ln_b, np.float32(eps)), shared_mem=K * 2)
-        elif M <= SKINNY_MAX_M:
-            # small decode batches: stream w through the tensor cores, 16 rows of w per block, K split in
-            # >= 16 chunks of 64 (4 per warp) where the rows alone leave SMs idle (from 9 rows on, the 64 x 32
-            # tiles below win: H200, 64 x 2304 x 768 in 6.5 us against 12.7; a batch of 64 decoded 86-94,000
-            # tokens/s against 63-67,000)
-            blocks_n = _cdiv(N, 16)
-            splits, k_per_split = self._split_k(blocks_n, 2, K, _cdiv(K, 64) // 16, M * N)
-            self.launch("matmul_skinny", (blocks_n, splits), (128,),
-                        args + (np.int32(f32), np.int32(k_per_split), self._partial, self._counters))
-        else:
-            # prefill, when the 128-row tiles fill the SMs: 3 stages, two blocks per SM. Fewer tiles than SMs: a
-            # block has its SM alone, so more stages, with a wgmma group left running across the barrier; 128-row
-            # tiles while the 64-row ones would fill the SMs (H200, against cupy.matmul: 2048 x 768 x 3072 at 68 %,
-            # against 53 % with two 64-row blocks per SM). Decode batches of 9-512 rows: 64 x 32 tiles while they
-            # make no more than two blocks per SM, else 64 x 128, 8 stages, and K split in >= 12 tiles of 64
-            # (partial sums go as float4s: N % 4 == 0). cuBLAS's kernel at 256 x 768 x 768 uses 64 x 32 tiles
-            # too: more blocks, each with less to do one k-step after another (H200: 5.3 us, against 8.5 with
-            # 64 x 128 tiles and 4.5 for cuBLAS). The lm_head of a 9-64 batch: 64 rows, three blocks per SM.
-            gn, bn, per_sm = _cdiv(N, 128), 128, 1
-            if M > 64 and _cdiv(M, 128) * gn >= self.num_sms:
-                bm, stages = 128, 3
-                # 144-wide tiles where they take fewer rounds of two blocks per SM, a round costing about the tile
-                # width: 2048 x 2304 makes 288 tiles of 128 for 2 x 132 slots (two rounds) and 256 of 144 (one)
-                # (H200: 71 % of cupy.matmul against 54 %; 4096 x 2304 66 % against 60 %)
-                rounds = lambda width: _cdiv(_cdiv(M, 128) * _cdiv(N, width), 2 * self.num_sms) * width
-                bn = 144 if rounds(144) < rounds(128) else 128
-            elif _cdiv(M, 64) * gn >= self.num_sms:
-                bm, stages = (64, 3) if M <= 64 else (128, 4)
-            else:
-                bm, stages = 64, 8
-                if _cdiv(M, 64) * _cdiv(N, 32) <= 2 * self.num_sms:
-                    bn, per_sm = 32, 2
-            most = _cdiv(K, 64) // 12 if N % 4 == 0 else 1
-            splits, k_per_split = self._split_k(_cdiv(M, bm) * _cdiv(N, bn), per_sm, K, most, M * N)
-            self.launch(f"matmul_tc<{bm},{bn},{stages}>", (_cdiv(N, bn), _cdiv(M, bm), splits), (2 * bm,),
-                        args + (np.int32(f32), np.int32(k_per_split), self._partial, self._counters),
-                        shared_mem=_tc_smem(bm, bn, stages))
-        return y if out_dtype is None else y.astype(out_dtype, copy=False)
-
-    def _split_k(self, blocks, per_sm, K, most, MN):
-        """(splits, k_per_split): when `blocks` leave SMs idle, K is split over up to per_sm blocks per SM too, in
-        chunks of 64 and at most `most` ways; the last block of each group adds up the MN partial sums."""
-        splits = 1
-        if blocks < self.num_sms:
-            splits = max(1, min(per_sm * self.num_sms // blocks, most, SPLITK_SCRATCH // MN))
-        k_per_split = _cdiv(_cdiv(K, 64), splits) * 64
-        return _cdiv(K, k_per_split), k_per_split
-
-    def cache_write(self, k, v, k_cache, v_cache, slot_mapping):
-        (k, ks), (v, vs) = self._rows(k), self._rows(v)
-        T, H, D = k.shape
-        slots = self._ready(slot_mapping, np.int32)
-        if T:
-            self.launch(f"cache_write<{self.t}>", (T,), (128,),
-                        (k, v, np.int32(ks), np.int32(vs), k_cache, v_cache, slots, np.int32(H * D)))
-
-    def to_device(self, batch):
-        """The batch's int32 arrays on the GPU, plus the attention launch plan, built with numpy (no per-token
-        Python loops): query rows that go to the row kernel (decode; every row in fp32) and 64-query tiles of
-        the sequences that go to the tensor-core prefill kernel. All of them travel in one host-to-device copy
-        (12 copies cost an eager step about 0.3 ms of host time), each a 16-byte-aligned view of it."""
-        cu = np.asarray(batch.cu_seqlens_q, np.int64)
-        ctx = np.asarray(batch.context_lens, np.int64)
-        n_q = np.diff(cu)
-        tiled = n_q >= PREFILL_MIN_Q if self.dtype == np.float16 else np.zeros(len(n_q), bool)
-        # row plan: every query of the untiled sequences is one row
-        rs = np.nonzero(~tiled & (n_q > 0))[0]
-        counts = n_q[rs]
-        row_seq = np.repeat(rs, counts)
-        offs = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
-        row_len = ctx[row_seq] - n_q[row_seq] + offs + 1  # keys visible to this query
-        # tile plan: 64-query tiles, the longest (most keys) first so they do not finish last
-        ts = np.nonzero(tiled)[0]
-        ntile = _cdiv(n_q[ts], 64)
-        tile_seq = np.repeat(ts, ntile)
-        tile_q0 = (np.arange(ntile.sum()) - np.repeat(np.cumsum(ntile) - ntile, ntile)) * 64
-        order = np.argsort(-(ctx[tile_seq] - n_q[tile_seq] + tile_q0), kind="stable")
-        fields = {f: getattr(batch, f) for f in ("input_ids", "positions", "slot_mapping", "cu_seqlens_q",
-                                                 "context_lens", "block_tables", "logits_idx")}
-        fields.update(row_q=cu[row_seq] + offs, row_seq=row_seq, row_len=row_len, tile_seq=tile_seq[order],
-                      tile_q0=tile_q0[order])
-        fields = {f: np.asarray(a, np.int32) for f, a in fields.items() if a is not None}
-        starts = np.cumsum([0] + [_cdiv(a.size, 4) * 4 for a in fields.values()])  # in int32s: 16-byte steps
-        host = np.zeros(starts[-1], np.int32)
-        for a, start in zip(fields.values(), starts):
-            host[start:start + a.size] = a.ravel()
-        dev = cp.asarray(host)
-        d = types.SimpleNamespace(logits_idx=None, n_rows=len(row_seq), n_tiles=len(tile_seq),
-                                  max_row_len=int(row_len.max()) if len(row_seq) else 0)
-        for (f, a), start in zip(fields.items(), starts):
-            setattr(d, f, dev[start:start + a.size].reshape(a.shape))
-        return d
-
-    def attention(self, q, k, v, k_cache, v_cache, batch, scale):
-        T, H, D = q.shape
-        if D != 64:
-            raise NotImplementedError(f"attention: the kernels are written for head_dim 64 (every GPT-2), got {D}")
-        # decode (one query per sequence, so no other query needs this step's keys from the cache): the
-        # attention kernel writes the cache itself; otherwise a cache_write kernel goes first
-        new_kv = (0, 0, np.int32(0), 0)
-        if self.fuse and batch.n_tiles == 0 and batch.n_rows == len(batch.context_lens):
-            (k, ks), (v, vs) = self._rows(k), self._rows(v)
-            assert ks == vs, "attention: k and v must share a row stride (views into one qkv array)"
-            new_kv = (k, v, np.int32(ks), batch.slot_mapping)
-        else:
-            self.cache_write(k, v, k_cache, v_cache, batch.slot_mapping)
-        q, qs = self._rows(q)
-        out = self.empty((T, H, D))
-        block_size, max_blocks = k_cache.shape[1], batch.block_tables.shape[1]
-        scale_log2 = np.float32(scale * math.log2(math.e))
-        common = (batch.block_tables, np.int32(max_blocks), np.int32(block_size))
-        if batch.n_tiles:
-            self.launch("attention_prefill", (batch.n_tiles, H), (128,),
-                        (q, np.int32(qs), k_cache, v_cache) + common +
-                        (batch.cu_seqlens_q, batch.context_lens, batch.tile_seq, batch.tile_q0, np.int32(H),
-                         scale_log2, out))
-        if batch.n_rows:
-            # flash-decoding: split the context until there are ~4 blocks per SM, >= 32 keys per split, and at
-            # most 32 splits (the merge holds their log-sum-exps in shared memory)
-            nsplit = max(1, min(_cdiv(4 * self.num_sms, batch.n_rows * H), _cdiv(batch.max_row_len, 32), 32))
-            assert nsplit == 1 or batch.n_rows * H <= self._counters.size
-            part_o = cp.empty(batch.n_rows * H * nsplit * 64 if nsplit > 1 else 0, np.float32)
-            part_lse = cp.empty(batch.n_rows * H * nsplit if nsplit > 1 else 0, np.float32)
-            self.launch(f"attention_rows<{self.t}>", (batch.n_rows, H, nsplit), (128,),
-                        (q, np.int32(qs)) + new_kv + (k_cache, v_cache) + common +
-                        (batch.row_q, batch.row_seq, batch.row_len, np.int32(H), scale_log2, out, part_o, part_lse,
-                         self._counters))
-        return out
-
-    def sample_device(self, logits, temperature, top_k, top_p, seed, step):
-        """sample() without the copy back: the (R,) int32 token ids on the GPU."""
-        logits = self._ready(logits, np.float32)
-        R, V = logits.shape
-        tokens = self.empty((R,), np.int32)
-        if R:
-            cache = V * 4 <= SAMPLE_SMEM
-            self.launch("sample_tokens", (R,), (1024,),
-                        (logits, np.int32(V), self._ready(temperature, np.float32), self._ready(top_k, np.int32),
-                         self._ready(top_p, np.float32), self._ready(seed, np.uint64), self._ready(step, np.int32),
-                         tokens, np.int32(cache)), shared_mem=V * 4 if cache else 0)
-        return tokens
-
-    def sample(self, logits, temperature, top_k, top_p, seed, step):
-        return cp.asnumpy(self.sample_device(logits, temperature, top_k, top_p, seed, step)).astype(np.int64)
 
 # -----------------------------------------------------------------------------
 # GPT-2 over one flat batch of tokens
@@ -718,119 +341,6 @@ class GPT:
         return be.matmul(rows, w["wte.weight"], ln=(w["ln_f.weight"], w["ln_f.bias"], c.eps), out_dtype=np.float32)
 
 
-class DecodeGraph:
-    """A decode step of up to B sequences replayed from one CUDA graph: the 65 kernel launches of a step
-    cost one launch instead of ~7 us of Python and driver time each. A graph freezes every pointer and scalar
-    it was captured with, so the step's inputs live in one fixed buffer (a step costs one host-to-device copy),
-    attention is planned for the longest context (its kernels stop at each row's real length), unused rows
-    are padding (cache slot -1, never written), and the activations come from a memory pool that only the
-    graphs allocate from (they share it: on one stream, they never run at once), so their addresses stay
-    theirs. The step ends by turning its sampled tokens into the next step's inputs on the GPU
-    (decode_advance), so it can be replayed several times in a row, each step's tokens kept in a ring of
-    history rows: the host's work for a step, and its wait for the tokens, are paid once per run of steps."""
-
-    def __init__(self, model, kv, B, stream, pool):
-        be, c = model.backend, model.config
-        self.B, max_blocks = B, kv.blocks_needed(c.n_ctx)
-        fields = [("seed", 2 * B), ("temperature", B), ("top_p", B), ("top_k", B), ("input_ids", B), ("substep", 1),
-                  # the host knows these for any step ahead, so carry_on rewrites them (input_ids come from the GPU)
-                  ("step", B), ("remaining", B), ("positions", B), ("context_lens", B), ("slot_mapping", B),
-                  ("block_tables", B * max_blocks)]
-        self.host = np.zeros(sum(n for _, n in fields), np.int32)  # (all fields,) in one int32 buffer
-        self.stream = stream
-        # the graphs' stream does not wait for the default stream, where the weights and the cache were made (a
-        # warm-up step could read this graph's buffers before they were written): from here on, all in stream order
-        cp.cuda.Device().synchronize()
-        with stream:
-            self.dev = cp.zeros_like(self.host)
-            self.history = cp.zeros((2 * LOOKAHEAD, B), np.int32)  # a ring: one run's tokens while the next runs
-            self.h, self.d, self.offset, start = {}, {}, {}, 0
-            for name, n in fields:
-                self.h[name], self.d[name], self.offset[name] = self.host[start:start + n], self.dev[start:start + n], start
-                start += n
-            arange = cp.arange(B + 1, dtype=np.int32)
-            self.batch = types.SimpleNamespace(  # the fields CudaBackend.to_device makes, for B decode rows
-                input_ids=self.d["input_ids"], positions=self.d["positions"], slot_mapping=self.d["slot_mapping"],
-                context_lens=self.d["context_lens"], block_tables=self.d["block_tables"].reshape(B, max_blocks),
-                cu_seqlens_q=arange, logits_idx=None, n_rows=B, max_row_len=c.n_ctx, row_q=arange[:B],
-                row_seq=arange[:B], row_len=self.d["context_lens"], n_tiles=0, tile_seq=arange[:0], tile_q0=arange[:0])
-            self.start([], [], [], [], [], step=[], remaining=[], positions=[], slot_mapping=[],
-                       block_tables=np.zeros((0, 1), np.int32))
-            # the step's activations, and only they, come from the pool the graphs share: what one graph leaves free
-            # there, the next one captured may take (a buffer kept from one step to the next, above, must not)
-            with cp.cuda.using_allocator(pool.malloc):
-                self._step(model, kv)  # warm-up: the first launches and allocations stay out of the capture
-                self.stream.synchronize()
-                self.graph = be.capture(self.stream, lambda: self._step(model, kv))
-        self.graph.upload(self.stream)
-
-    def _step(self, model, kv):
-        d, b, be = self.d, self.batch, model.backend
-        logits = model.forward_on_device(b, kv)
-        tokens = be.sample_device(logits, d["temperature"].view(np.float32), d["top_k"], d["top_p"].view(np.float32),
-                                  d["seed"].view(np.uint64), d["step"])
-        be.launch("decode_advance", (1,), (self.B,),
-                  (tokens, d["input_ids"], d["positions"], d["context_lens"], d["slot_mapping"], d["step"],
-                   d["remaining"], d["block_tables"], np.int32(b.block_tables.shape[1]), np.int32(kv.block_size),
-                   self.history, np.int32(len(self.history)), d["substep"], np.int32(self.B)))
-
-    def start(self, input_ids, temperature, top_k, top_p, seed, **rows):
-        """Load a decode batch of n <= B sequences: each one's last token and sampling parameters, and the
-        per-row fields of _set_rows. Rows past n are padding: greedy, cache slot -1 (never written)."""
-        h, self.n = self.h, len(input_ids)
-        n = self.n
-        h["input_ids"][:n], h["input_ids"][n:] = input_ids, 0
-        h["top_k"][:n], h["top_k"][n:] = top_k, 0
-        h["temperature"].view(np.float32)[:n], h["temperature"][n:] = temperature, 0
-        h["top_p"].view(np.float32)[:n], h["top_p"].view(np.float32)[n:] = top_p, 1
-        h["seed"].view(np.uint64)[:n], h["seed"].view(np.uint64)[n:] = seed, 0
-        h["substep"][0] = 0
-        self._set_rows(**rows)
-        self.dev.set(self.host, stream=self.stream)
-        self.substep = 0  # the history row the next step writes (the GPU keeps its own count)
-
-    def _set_rows(self, step, remaining, positions, slot_mapping, block_tables):
-        """Per row: its sampling counter, the steps it may still take (decode_advance makes it padding after the
-        last), its position, its cache slot (-1: padding) and its block table."""
-        h, n = self.h, self.n
-        for name, values, pad in (("step", step, 0), ("remaining", remaining, 0), ("positions", positions, 0),
-                                  ("slot_mapping", slot_mapping, -1)):
-            h[name][:n], h[name][n:] = values, pad
-        h["context_lens"][:] = h["positions"] + 1  # a token at position p sees p + 1 keys; padding sees 1
-        tables = h["block_tables"].reshape(self.B, -1)
-        tables[:] = 0
-        tables[:n, :block_tables.shape[1]] = block_tables
-
-    def take_inputs(self, backend, other, rows):
-        """Each row's input token is graph `other`'s row `rows[i]` (after its launches: one stream), gathered on the
-        GPU, where they left it, so the host need not wait for them."""
-        with self.stream:
-            backend.launch("take_rows", (1,), (len(rows),), (other.d["input_ids"], cp.asarray(rows, np.int32),
-                                                             self.d["input_ids"], np.int32(len(rows))))
-
-    def carry_on(self, **rows):
-        """Let the next launches go on from where the launched ones stop: the GPU has each row's next input
-        token; the host rewrites the rest (blocks added since, rows that are done now padding); stream-ordered."""
-        self._set_rows(**rows)
-        first = self.offset["step"]
-        self.dev[first:].set(self.host[first:], stream=self.stream)
-
-    def launch(self, steps):
-        """Replay the step `steps` times; (its first history row, an event recorded after the last)."""
-        first, self.substep = self.substep, self.substep + steps
-        for _ in range(steps):
-            self.graph.launch(self.stream)
-        done = cp.cuda.Event()
-        done.record(self.stream)
-        return first, done
-
-    def tokens(self, first, steps, done):
-        """(steps, n) tokens, as numpy, of the launches that began at history row `first`, once they are done.
-        The copy goes on the default stream, which does not wait for launches made after them."""
-        done.synchronize()
-        ring = self.history.get()
-        return ring[(first + np.arange(steps)) % len(ring), :self.n].astype(np.int64)
-
 
 # -----------------------------------------------------------------------------
 # sampling parameters and outputs, with the names vLLM users know
@@ -877,56 +387,74 @@ class RequestOutput:
     error: str = None
 
 # -----------------------------------------------------------------------------
-# the engine: schedule, run one flat batch, sample, stream
+# the engine: schedule -> batch -> run -> postprocess
 
 
-# decode batch sizes that get a CUDA graph each: every 16 rows from 16 on (vLLM: every 8), so a batch pads at most 15
-# rows (H200, offline, alternating in one process: 99,200-99,800 tokens/s against 97,000-98,000 with powers of two)
-GRAPH_BUCKETS = (1, 2, 4, 8) + tuple(range(16, 257, 16))
-Run = namedtuple("Run", "graph seqs steps first done")  # launched decode steps: their history rows, an end event
-LOOKAHEAD = 16  # decode steps one graph run may take (multi-step decoding)
-ADMIT_GROUP = 8  # with CUDA graphs, a full engine lets waiting requests in once 1/8 of its seats are free
+class SamplingArrays(NamedTuple):
+    """The sampler's per-row parameters, for the rows that sample."""
+    temperature: np.ndarray  # (R,) float32
+    top_k: np.ndarray  # (R,) int32
+    top_p: np.ndarray  # (R,) float32
+    seed: np.ndarray  # (R,) uint64
+    step: np.ndarray  # (R,) int32, the index of the token being sampled: its random number is uniform(seed, step)
+
+
+def sampling_arrays(seqs):
+    params = [s.params for s in seqs]
+    return SamplingArrays(np.array([p.temperature for p in params], np.float32),
+                          np.array([p.top_k for p in params], np.int32),
+                          np.array([p.top_p for p in params], np.float32),
+                          np.array([s.seed for s in seqs], np.uint64),
+                          np.array([s.num_output for s in seqs], np.int32))
+
+
+class EagerRunner:
+    """Runs a step as it reads: the forward pass op by op, then the sampler. On the GPU, cuda_backend.GraphRunner
+    runs decode steps faster, from CUDA graphs, and hands the rest to this one."""
+
+    def __init__(self, model, kv):
+        self.model, self.kv = model, kv
+
+    def admission_group(self):
+        return 1  # waiting requests come in as soon as a seat is free
+
+    def run(self, batch, seqs):
+        """(1, R) sampled tokens of the rows that sample (seqs), and (R, V) host logits if any wants logprobs."""
+        logits = self.model.forward(batch, self.kv)  # (R, V)
+        tokens = self.model.backend.sample(logits, *sampling_arrays(seqs))  # (R,)
+        wants_logits = any(s.logprobs is not None for s in seqs)
+        return tokens[None], self.model.backend.tohost(logits) if wants_logits else None
+
+    def wait(self):
+        pass
 
 
 class LLM:
+    """The engine. step() is the whole loop: the scheduler picks this step's tokens, they become one flat batch, the
+    runner runs the model over it and samples, and the new tokens go to their sequences."""
+
     def __init__(self, model, device="auto", dtype=None, block_size=16, max_num_seqs=256,
                  max_num_batched_tokens=16384, num_kv_tokens=None, gpu_memory_utilization=0.9, seed=0,
-                 cuda_graphs=True, fused=True):
+                 cuda_graphs=True, fused=True, num_scheduler_steps=16, dependent_launches=True):
         path = resolve_model(model)
         self.config = c = load_config(path)
         self.tokenizer = Tokenizer(path)
         self.backend = make_backend(device, dtype)
-        self.backend.fuse = fused  # the switches that measure two lessons: fusion, and launch overhead
-        self.cuda_graphs = cuda_graphs and self.backend.name == "cuda"
-        self.lookahead = LOOKAHEAD  # decode steps per graph run; 1 turns multi-step decoding off
-        self._inflight = None  # a graph run launched and not yet turned into tokens
-        self._free_later = []  # finished sequences whose blocks a launched run may still write
+        # the lessons' switches: fusion, launch overhead (CUDA graphs), multi-step decoding, dependent launches
+        self.backend.fuse, self.backend.pdl = fused, dependent_launches
         self.model = GPT(c, load_weights(path, c), self.backend)
         if num_kv_tokens is None:
             num_kv_tokens = self._kv_tokens_that_fit(gpu_memory_utilization)
-        num_blocks = -(-num_kv_tokens // block_size)
-        self.kv = PagedKVCache(self.backend, c.n_layer, c.n_head, c.head_dim, num_blocks, block_size)
-        # a step's token budget: a prefill step pays ~2.5 ms of host time launching its ~110 kernels one by one,
-        # so larger steps take fewer of them (H200, the offline workload: 73-84k tokens/s with 2048, 89-90k with
-        # 8192, 91-94k with 16384, vLLM's default for its LLM class on H100/H200), while each one stalls the
-        # running decodes for longer
+        self.kv = PagedKVCache(self.backend, c.n_layer, c.n_head, c.head_dim, -(-num_kv_tokens // block_size),
+                               block_size)
         self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens)
+        if cuda_graphs and self.backend.name == "cuda":
+            from cuda_backend import GraphRunner
+            self.runner = GraphRunner(self.model, self.kv, self.scheduler, num_scheduler_steps)
+        else:
+            self.runner = EagerRunner(self.model, self.kv)
         self._rng = np.random.default_rng(seed)  # seeds for requests that bring none
         self._next_id = 0
-        # the graphs share one stream, so they never run at once, and so one memory pool for their activations
-        self._graph_memory = (cp.cuda.Stream(non_blocking=True), cp.cuda.MemoryPool()) if self.backend.name == "cuda" \
-            else None
-        self.capture_graphs()
-
-    def capture_graphs(self):
-        """A CUDA graph for each bucket up to max_num_seqs, captured up front as serving engines do, so that no
-        request waits for one (H200: ~6 ms each for GPT-2); the largest first, whose activations the smaller ones
-        then reuse. Called again after a switch that changes what a step launches (pdl, fuse)."""
-        self._graphs = {}  # batch-size bucket -> DecodeGraph
-        m = self.scheduler.max_num_seqs
-        needed = [b for b in GRAPH_BUCKETS if b < m] + [b for b in GRAPH_BUCKETS if b >= m][:1]
-        for B in reversed(needed if self.cuda_graphs else []):
-            self._graph(B)
 
     def _kv_tokens_that_fit(self, fraction):
         """On the GPU: what the fraction of its memory leaves after the weights. On the CPU: 1 GiB."""
@@ -936,8 +464,7 @@ class LLM:
             budget = 2 ** 30
         else:
             free, total = self.backend.memory_info()
-            budget = total * fraction - (total - free)
-            budget -= 2 ** 30  # room for a step's activations and logits, and the CUDA graphs' own
+            budget = total * fraction - (total - free) - 2 ** 30  # 1 GiB for activations, logits and CUDA graphs
         if budget < per_token * c.n_ctx:
             raise RuntimeError(f"the KV cache would hold only {int(max(budget, 0) // per_token)} tokens, less than one "
                                f"full context ({c.n_ctx}): raise gpu_memory_utilization or pass num_kv_tokens")
@@ -972,6 +499,18 @@ class LLM:
     def has_unfinished(self):
         return self.scheduler.has_unfinished()
 
+    def step(self):
+        """One engine step. Returns (request_id, new text, RequestOutput if it just finished else None) per request
+        that got tokens: one each, or, from a run of decode steps replayed on the GPU, up to 16."""
+        scheduled = self.scheduler.schedule(self.runner.admission_group())  # [(sequence, tokens to compute now)]
+        if not scheduled:
+            return []
+        batch, sampling = self._make_batch(scheduled)  # one flat batch; the sequences whose last token it holds
+        tokens, logits = self.runner.run(batch, sampling)  # (steps, R) new tokens; (R, V) logits for logprobs
+        for seq, n in scheduled:
+            seq.num_computed += n  # their K/V are in the cache now
+        return self._postprocess(sampling, tokens, logits)
+
     def _make_batch(self, scheduled):
         """Flatten this step's work into one batch: Python loops over sequences, numpy over tokens."""
         seqs = [seq for seq, _ in scheduled]
@@ -979,7 +518,7 @@ class LLM:
         starts = np.array([seq.num_computed for seq in seqs], np.int32)
         cu_seqlens_q = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)  # (S+1,)
         row = np.repeat(np.arange(len(seqs)), counts)  # (T,) the sequence of each token
-        positions = (np.arange(cu_seqlens_q[-1]) - cu_seqlens_q[row] + starts[row]).astype(np.int32)
+        positions = (np.arange(cu_seqlens_q[-1]) - cu_seqlens_q[row] + starts[row]).astype(np.int32)  # (T,)
         block_tables = self.kv.block_table_array([seq.seq_id for seq in seqs])  # (S, max_blocks)
         samples = starts + counts == np.array([len(seq.token_ids) for seq in seqs])  # reached their last token
         input_ids = np.fromiter(itertools.chain.from_iterable(
@@ -988,158 +527,27 @@ class LLM:
                      starts + counts, block_tables, (cu_seqlens_q[1:] - 1)[samples]), \
             [seq for seq, s in zip(seqs, samples) if s]
 
-    def step(self):
-        """One engine step (on the GPU, a run of decode steps). Returns (request_id, new text, RequestOutput if it
-        just finished else None) per request that produced tokens."""
-        run = self._inflight
-        if run is None:
-            scheduled = self.scheduler.schedule(self._admission_group())
-            if not scheduled:
-                return []
-            graph = self._decode_graph(scheduled)
-            if graph is None:
-                return self._eager_step(scheduled)
-            seqs = [seq for seq, _ in scheduled]
-            steps, rows = self._plan(seqs, 0)
-            graph.start([seq.token_ids[-1] for seq in seqs], *self._sampling_arrays(seqs)[:4], **rows)
-            run = Run(graph, seqs, steps, *graph.launch(steps))
-        # the next run can usually go on from where this one stops: launch it now, so that the GPU computes it
-        # while the host turns this run's tokens into text
-        self._inflight = self._carry_on(run)
-        return self._collect(run)
-
-    def _eager_step(self, scheduled):
-        """A step of kernels launched one by one (prefill, logprobs, or CUDA graphs off)."""
-        batch, sampling = self._make_batch(scheduled)
-        logits = self.model.forward(batch, self.kv)  # (R, V)
-        tokens = self.backend.sample(logits, *self._sampling_arrays(sampling))
-        for seq, n in scheduled:
-            seq.num_computed += n
+    def _postprocess(self, seqs, tokens, logits):
+        """Hand each sequence its new tokens, in order, until one finishes it (EOS, max tokens, a stop string, the
+        context): then the rest are dropped and its blocks freed. An event per sequence."""
         events = []
-        for row, (seq, token) in enumerate(zip(sampling, tokens)):
-            if seq.logprobs is not None:
-                seq.logprobs.append(self._logprobs(logits[row], int(token), seq.params.logprobs))
-            seq.append(int(token), self.config.n_ctx)
-            if seq.finish_reason:
-                self.scheduler.finish(seq)
-            events.append(self._event(seq))
-        return events
-
-    def _left(self, seqs, ahead):
-        """(S,) the decode steps each sequence may still take, `ahead` steps past the host's tokens (0: done)."""
-        c = self.config
-        return np.array([0 if s.finish_reason else min(s.params.max_tokens - s.num_output, c.n_ctx - len(s.token_ids))
-                         - ahead for s in seqs]).clip(0)
-
-    def _plan(self, seqs, ahead):
-        """A graph run that starts `ahead` steps past the host's tokens: (steps, the per-row fields of
-        DecodeGraph._set_rows). Up to LOOKAHEAD steps, and no more than the longest sequence may still take (a
-        shorter one, or one that is done, is a padding row after its last), with every step's blocks free
-        (reserved here). A sequence that stops early (EOS, a stop string) wastes the steps after that; it never
-        emits them. 0 steps: not even one."""
-        kv, left = self.kv, self._left(seqs, ahead)
-        last = [len(s.token_ids) - 1 + ahead for s in seqs]  # the position each one's next step computes
-        steps = int(min(self.lookahead, LOOKAHEAD, left.max()))
-        while steps > 0 and sum(max(0, kv.blocks_needed(p + min(steps, n)) - len(kv.block_tables[s.seq_id]))
-                                for s, p, n in zip(seqs, last, left) if n) > kv.allocator.num_free():
-            steps //= 2
-        for s, p, n in zip(seqs, last, left):
-            if n:
-                kv.grow(s.seq_id, p + min(steps, n))
-        positions = np.where(left > 0, last, 0)
-        tables = kv.block_table_array([s.seq_id for s in seqs])  # (S, max_blocks)
-        slots = np.where(left > 0, kv.slot_mapping(tables, np.arange(len(seqs)), positions), -1)
-        return steps, dict(step=[s.num_output + ahead for s in seqs], remaining=left, positions=positions,
-                           slot_mapping=slots, block_tables=tables)
-
-    def _carry_on(self, run):
-        """The run after `run`, launched, if it can go on without the scheduler: multi-step decoding is on and no
-        waiting request is to come in now (_admission_group). The sequences that go on keep their graph (the ones
-        that are done become padding) or, when they fit a smaller one, move there with their input tokens gathered
-        on the GPU, so the GPU does not idle while the host reads this run (H200, offline: 98,700-98,800 tokens/s
-        against 97,700-97,800 when each move waited for the host; measured with the nine power-of-two buckets).
-        Else None."""
-        s = self.scheduler
-        if self.lookahead == 1 or s.wants_admission(self._admission_group()):
-            return None
-        live = np.flatnonzero(self._left(run.seqs, run.steps))  # the rows that go on
-        if not len(live):
-            return None
-        graph = self._graph(len(live))
-        seqs = run.seqs if graph is run.graph else [run.seqs[i] for i in live]
-        steps, rows = self._plan(seqs, run.steps)
-        if steps == 0:
-            return None
-        if graph is run.graph:
-            graph.carry_on(**rows)
-        else:
-            graph.start(np.zeros(len(seqs), np.int32), *self._sampling_arrays(seqs)[:4], **rows)
-            graph.take_inputs(self.backend, run.graph, live)
-        return Run(graph, seqs, steps, *graph.launch(steps))
-
-    def _admission_group(self):
-        """How many free seats let waiting requests in. With CUDA graphs each admission ends the run of graph steps
-        with an eager step (the new prompts and every running decode, ~110 kernels launched from Python, about
-        2.5 ms of host time), after which the runs start again from the host; so a full engine lets them in by
-        groups, once an eighth of its seats are free, the freed seats idling until then (TGI's
-        waiting_served_ratio is the same trade). H200, the mixed workload at most 64 at a time, in one process:
-        55.4-57.7k tokens/s (27 eager steps) against 52.7-56.0k (46) letting each in as its seat frees; by groups
-        of 4, 53.1-57.1k; of 16, 55.4-55.9k. Eager steps admit at once: they cost no more for it."""
-        return max(1, self.scheduler.max_num_seqs // ADMIT_GROUP) if self.cuda_graphs else 1
-
-    def _collect(self, run):
-        """Wait for a graph run's tokens and hand them to their sequences; one that finishes drops the rest, and
-        its blocks are freed once no launched run writes to them any more."""
-        tokens = run.graph.tokens(run.first, run.steps, run.done)  # (steps, n)
-        for seq_id in self._free_later:  # the run that still wrote to them is this one, now done
-            self.kv.free(seq_id)
-        self._free_later = []
-        events = []
-        for row, seq in enumerate(run.seqs):
-            if seq.finish_reason:  # it finished in the run before this one
-                continue
-            for token in tokens[:, row]:
-                seq.num_computed += 1  # the token this step computed; it samples the next
+        for row, seq in enumerate(seqs):
+            for i, token in enumerate(tokens[:, row]):
+                if i > 0:
+                    seq.num_computed += 1  # a later step of a run computed the token sampled before
+                if logits is not None and seq.logprobs is not None:
+                    seq.logprobs.append(self._logprobs(logits[row], int(token), seq.params.logprobs))
                 seq.append(int(token), self.config.n_ctx)
                 if seq.finish_reason:
-                    self.scheduler.finish(seq, free=self._inflight is None)
-                    if self._inflight is not None:
-                        self._free_later.append(seq.seq_id)
+                    self.scheduler.finish(seq)
                     break
-            events.append(self._event(seq))
+            events.append((seq.seq_id, seq.new_text(), self._output(seq) if seq.finish_reason else None))
         return events
 
-    def _event(self, seq):
-        return seq.seq_id, seq.new_text(), self._output(seq) if seq.finish_reason else None
-
-    def _decode_graph(self, scheduled):
-        """The CUDA graph for this step if every sequence decodes one token (its last; none wants logprobs)."""
-        n = len(scheduled)
-        if not self.cuda_graphs or n > GRAPH_BUCKETS[-1] or \
-                any(k != 1 or s.num_uncomputed != 1 or s.logprobs is not None for s, k in scheduled):
-            return None
-        return self._graph(n)
-
-    def _graph(self, n):
-        """The DecodeGraph of the smallest bucket that holds n rows, captured now if it was not yet."""
-        B = next(b for b in GRAPH_BUCKETS if b >= n)
-        if B not in self._graphs:
-            self._graphs[B] = DecodeGraph(self.model, self.kv, B, *self._graph_memory)
-        return self._graphs[B]
-
     @staticmethod
-    def _sampling_arrays(seqs):
-        params = [s.params for s in seqs]
-        return (np.array([p.temperature for p in params], np.float32),
-                np.array([p.top_k for p in params], np.int32),
-                np.array([p.top_p for p in params], np.float32),
-                np.array([s.seed for s in seqs], np.uint64),
-                np.array([s.num_output for s in seqs], np.int32))  # the index of the token being sampled
-
-    def _logprobs(self, logits_row, token, k):
+    def _logprobs(logits_row, token, k):
         """Log-probabilities under the model's own distribution (before temperature, top-k and top-p)."""
-        row = self.backend.tohost(logits_row).astype(np.float64)
-        logp = row - row.max()
+        logp = logits_row.astype(np.float64) - logits_row.max()
         logp -= np.log(np.exp(logp).sum())
         top = np.argsort(-logp, kind="stable")[:k]
         return {"token": float(logp[token]), "top": [(int(t), float(logp[t])) for t in top]}
@@ -1165,8 +573,7 @@ class LLM:
                 if rid in index:
                     remaining -= out is not None
                     yield index[rid], delta, out
-        if self._inflight is not None:  # launched before the last requests finished: the next step() drops it,
-            self._inflight.done.synchronize()  # but no GPU work outlives this call
+        self.runner.wait()  # no GPU work outlives this call (a run launched ahead of the last tokens included)
 
     def generate(self, prompts, params=None):
         """Run prompts to completion, continuously batched. One RequestOutput per prompt, in order. (Requests

@@ -9,7 +9,8 @@ Each step, under a token budget (max_num_batched_tokens) and a sequence cap (max
   1. running sequences that decode get their one token first, oldest first, so a long prompt never stalls them;
   2. running sequences still in their prompt get a chunk of it (chunked prefill);
   3. waiting requests are admitted in arrival order while their first chunk fits, once `group` seats are free
-     (or as many as wait): the engine lets them in by groups when each admission costs it a run of graph steps.
+     (or as many as wait; group None: none this step): the runner sets it (cuda_backend lets them in by groups,
+     since there each admission ends a run of graph steps).
 When the KV pool has no block for a running sequence, the newest running sequence is preempted: its blocks
 are freed and it waits at the front of the queue to be recomputed from its tokens (prompt + output so far),
 which gives the same tokens as if it had never stopped.
@@ -101,9 +102,9 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def wants_admission(self, group=1):
-        """Whether waiting requests may come in now: `group` seats are free, or as many as wait."""
+        """Whether waiting requests may come in now: `group` seats are free, or as many as wait (None: never)."""
         free = self.max_num_seqs - len(self.running)
-        return bool(self.waiting) and free >= min(len(self.waiting), group)
+        return group is not None and bool(self.waiting) and free >= min(len(self.waiting), group)
 
     def schedule(self, group=1):
         """Pick this step's work: a list of (sequence, number of its tokens to compute now)."""
@@ -150,8 +151,6 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def finish(self, seq, free=True):
-        """free=False: the caller frees its blocks later (a launched run may still write to them)."""
+    def finish(self, seq):
         self.running.remove(seq)
-        if free:
-            self.kv.free(seq.seq_id)
+        self.kv.free(seq.seq_id)

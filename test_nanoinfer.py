@@ -29,6 +29,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st, target
 
+import cuda_backend
 import nanoinfer as ni
 from nanoinfer import LLM, SamplingParams
 from paged_kv import BlockAllocator, PagedKVCache
@@ -296,7 +297,6 @@ def test_mixed_batch_logits(tiny, dev, block_size):
 def capture_logits(llm):
     """Record the logits of every forward the engine runs (the engine is not changed, only observed)."""
     seen, orig = [], llm.model.forward
-    llm.cuda_graphs = False  # a graph-replayed decode step never calls forward(), so observe the eager path
 
     def wrapped(*args, **kw):
         out = orig(*args, **kw)
@@ -510,6 +510,59 @@ def test_paged_kv_tables_and_slots():
     kv.free("a"), kv.free("b")
     check_kv(kv)
     assert kv.allocator.num_free() == 6
+
+
+def test_graph_run_plan_reserves_its_blocks_or_is_none():
+    """cuda_backend.plan_run (plain Python, no GPU): a run of decode steps takes the most steps (halving from the cap,
+    and no more than any sequence may still take) whose blocks the free list holds, reserves them, and maps each
+    row's first token to its slot; a sequence with fewer steps left is padding after them. When not even one more
+    step fits there is no run, and no block is taken (the planner once mapped a slot past the block table)."""
+    kv = PagedKVCache(ni.NumpyBackend(), n_layer=1, n_head=1, head_dim=4, num_blocks=14, block_size=1)
+    seqs = [Sequence(i, [1, 2, 3], SamplingParams(max_tokens=m), 0, None) for i, m in enumerate((16, 16, 2))]
+    for s in seqs:  # each has sampled one token, whose block the scheduler reserved (position 3)
+        s.token_ids.append(7)
+        kv.grow(s.seq_id, 4)
+    plan = cuda_backend.plan_run(kv, seqs, 0, 16, n_ctx=128)  # 2 free: 15 steps need 28 more blocks, 3 need 4
+    assert plan.steps == 1 and plan.remaining.tolist() == [15, 15, 1] and kv.allocator.num_free() == 2
+    check_kv(kv)
+    seqs[2].finish_reason = "length"  # done (its one step taken): a padding row from now on
+    kv.free(2)
+    plan = cuda_backend.plan_run(kv, seqs, 0, 16, n_ctx=128)  # 6 free: 3 steps need 2 blocks each
+    tables = [kv.block_tables[s] for s in (0, 1)]
+    assert plan.steps == 3 and [len(t) for t in tables] == [6, 6] and kv.allocator.num_free() == 2
+    assert plan.positions.tolist()[:2] == [3, 3] and plan.slot_mapping.tolist()[:2] == [tables[0][3], tables[1][3]]
+    assert plan.slot_mapping[2] == -1 and plan.remaining[2] == 0 and 2 not in kv.block_tables
+    assert cuda_backend.plan_run(kv, seqs[:2], 3, 16, n_ctx=128).steps == 1  # 3 steps ahead: one more block each
+    assert cuda_backend.plan_run(kv, seqs[:2], 4, 16, n_ctx=128) is None  # 4 ahead: no free block left
+    assert [len(kv.block_tables[s]) for s in (0, 1)] == [7, 7] and kv.allocator.num_free() == 0
+    check_kv(kv)
+
+
+@pytest.mark.parametrize("C", [768, 1024, 1280, 1600])
+def test_matmul_plan_for_every_gpt2_shape(C):
+    """cuda_backend.plan_matmul (plain Python, no GPU), for the five matmuls of GPT-2 at this width and batches from
+    one stream's decode to a long prefill: one row takes the gemv (its layernorm fused) unless the matrix has more
+    rows than it handles (the lm_head), up to 8 rows the skinny kernel, more the tensor-core tiles; the grid covers
+    y, the split covers K in whole 64-wide chunks, and the split-K scratch and shared memory suffice."""
+    sms = 132
+    for M in (1, 2, 8, 9, 64, 256, 2048, 8192):
+        for N, K, ln in ((3 * C, C, True), (C, C, False), (4 * C, C, True), (C, 4 * C, False), (50257, C, True)):
+            p = cuda_backend.plan_matmul(M, N, K, ln, np.float16, sms)
+            kind = p.kernel.split("<")[0]
+            assert kind == ("matmul_gemv" if M == 1 and N <= 16384 else "matmul_skinny" if M <= 8 else "matmul_tc"), \
+                (M, N, K, p)
+            assert p.ln_fused == (ln and kind == "matmul_gemv")
+            if kind == "matmul_gemv":
+                assert p.grid[0] <= 2 * sms and p.shared_mem == 2 * K
+                continue
+            bm, bn = (16, 16) if kind == "matmul_skinny" else map(int, p.kernel[10:-1].split(",")[:2])
+            assert p.grid[0] * bn >= N and (kind == "matmul_skinny" or p.grid[1] * bm >= M)
+            assert p.splits == (p.grid[1] if kind == "matmul_skinny" else p.grid[2])
+            assert p.k_per_split % 64 == 0 and (p.splits - 1) * p.k_per_split < K <= p.splits * p.k_per_split
+            assert p.splits == 1 or M * N <= cuda_backend.SPLITK_SCRATCH
+            assert p.shared_mem <= 227 * 1024
+    assert cuda_backend.plan_matmul(2048, 2304, 768, False, np.float16, sms).kernel == "matmul_tc<128,144,3>"  # 1 round
+    assert cuda_backend.plan_matmul(5, 768, 768, True, np.float32, sms).kernel == "matmul_f32"
 
 
 _solo_cache = {}
@@ -842,7 +895,8 @@ try:
     import cupy as cp
 except ImportError:
     cp = None
-from nanoinfer import Batch, CudaBackend, NumpyBackend  # noqa: E402
+from cuda_backend import CudaBackend  # noqa: E402
+from nanoinfer import Batch, NumpyBackend  # noqa: E402
 
 KTOL = {np.float16: 1e-2, np.float32: 1e-4}
 DTYPES = [np.float16, np.float32]
@@ -1138,19 +1192,31 @@ def test_fp16_weights_stay_fp16(tiny):
     assert not wrong, f"weights not stored in fp16: {wrong}"
 
 
+def graph_launches(monkeypatch):
+    """[(bucket, steps)] of every graph run launched from here on."""
+    launches, launch = [], cuda_backend.DecodeGraph.launch
+
+    def recorded(graph, seqs, plan):
+        launches.append((graph.B, plan.steps))
+        return launch(graph, seqs, plan)
+    monkeypatch.setattr(cuda_backend.DecodeGraph, "launch", recorded)
+    return launches
+
+
 @NO_GPU
-def test_cuda_graphs_change_no_token(tiny):
+def test_cuda_graphs_change_no_token(tiny, monkeypatch):
     """Decode steps replayed from CUDA graphs (padded to a bucket of 8) give the same greedy tokens as the same
     steps launched one kernel at a time. fp32: the graph plans attention for the whole context, so its
     splits, and roundings, differ from the eager step's; in fp32 that cannot flip a greedy choice."""
+    launches = graph_launches(monkeypatch)
     graphed, tokens = generate_greedy(tiny, dtype="float32")
-    assert graphed._graphs, "no decode step was replayed from a CUDA graph"
+    assert launches, "no decode step was replayed from a CUDA graph"
     assert tokens == generate_greedy(tiny, dtype="float32", cuda_graphs=False)[1]
 
 
 @NO_GPU
 @pytest.mark.parametrize("which", ["tiny", "wide"])
-def test_dependent_launches_change_no_token(which, request):
+def test_dependent_launches_change_no_token(which, request, monkeypatch):
     """Graph steps whose kernels may start before the kernel before them has finished (programmatic dependent
     launch: each reads its inputs only after griddepcontrol.wait, and never through the non-coherent cache) give
     exactly the tokens of graphs whose kernels wait for each other: fp16, one stream, 6 at once and 20 at once (the
@@ -1160,19 +1226,19 @@ def test_dependent_launches_change_no_token(which, request):
     batch = [rng.integers(0, 50256, n).tolist() for n in rng.integers(1, 40, 20)]
     tokens = {}
     for pdl in (False, True):
-        llm = LLM(str(request.getfixturevalue(which).path), device="cuda", dtype="float16", num_kv_tokens=4096)
-        llm.backend.pdl = pdl
-        llm.capture_graphs()  # captured at start, with dependent launches on
+        launches = graph_launches(monkeypatch)
+        llm = LLM(str(request.getfixturevalue(which).path), device="cuda", dtype="float16", num_kv_tokens=4096,
+                  dependent_launches=pdl)
         greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
         outs = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)) + \
             llm.generate(batch[:6], greedy) + llm.generate(batch, greedy)
-        assert {1, 8, 32} <= set(llm._graphs), f"graphs captured: {sorted(llm._graphs)}"
+        assert {1, 8, 32} <= {B for B, _ in launches}, f"graphs replayed: {sorted(set(launches))}"
         tokens[pdl] = [o.token_ids for o in outs]
     assert tokens[True] == tokens[False]
 
 
 GRAPH_ON_A_BUSY_GPU = """
-import numpy as np, cupy as cp, nanoinfer
+import numpy as np, cupy as cp, cuda_backend
 from nanoinfer import LLM, SamplingParams
 make = lambda: LLM({path!r}, device="cuda", dtype="float32", num_kv_tokens=4096, max_num_seqs=8)
 prompts = [[464, 2068, 7586], [15496, 11], [40, 716, 257, 3303]]
@@ -1183,12 +1249,12 @@ junk = cp.full(1 << 28, 0x7F7F7F7F, np.int32)  # 1 GiB of large numbers, handed 
 cp.cuda.Device().synchronize()
 del junk
 cp.get_default_memory_pool().free_all_blocks()
-capture = nanoinfer.DecodeGraph.__init__
+capture = cuda_backend.DecodeGraph.__init__
 def on_a_busy_gpu(*args):
     for _ in range(200):  # the default stream busy for tens of ms while the graph is made
         busy.fill(1)
     capture(*args)
-nanoinfer.DecodeGraph.__init__ = on_a_busy_gpu
+cuda_backend.DecodeGraph.__init__ = on_a_busy_gpu
 llm = make()
 assert [o.token_ids for o in llm.generate(prompts, greedy)] == want
 print("same tokens")
@@ -1208,7 +1274,7 @@ def test_graph_capture_waits_for_the_default_stream(tiny):
 
 
 @NO_GPU
-def test_multi_step_decoding_changes_no_token(tiny):
+def test_multi_step_decoding_changes_no_token(tiny, monkeypatch):
     """Graph runs of several decode steps (each sampled token fed back on the GPU by decode_advance, a row that
     reaches its max_tokens turning into padding), and runs launched while the host still reads the run before,
     give the same tokens, texts and finish reasons as eager steps one at a time: greedy and seeded top-p
@@ -1216,18 +1282,17 @@ def test_multi_step_decoding_changes_no_token(tiny):
     freed, while the others go on; every block is free at the end; fp32."""
     def run(stop=None, **kw):
         llm = LLM(str(tiny.path), device="cuda", dtype="float32", num_kv_tokens=4096, **kw)
-        runs, plan = [], llm._plan  # (steps ahead of the host's tokens, steps in the run)
+        runs, plan = [], cuda_backend.plan_run  # (steps ahead of the host's tokens, steps in the run)
 
-        def recorded_plan(seqs, ahead):
-            steps, rows = plan(seqs, ahead)
-            runs.append((ahead, steps))
-            return steps, rows
-        llm._plan = recorded_plan
+        def recorded_plan(kv, seqs, ahead, max_steps, n_ctx):
+            p = plan(kv, seqs, ahead, max_steps, n_ctx)
+            runs.append((ahead, p.steps if p else 0))
+            return p
+        monkeypatch.setattr(cuda_backend, "plan_run", recorded_plan)
         params = [SamplingParams(max_tokens=m, temperature=t, top_p=0.9, seed=i, ignore_eos=True,
                                  stop=stop if i == 0 else None)
                   for i, (m, t) in enumerate([(60, 0), (90, 1.0), (85, 0.8), (99, 0)])]
         outs = llm.generate(PROMPTS[:4], params)
-        llm.step()  # drops a run launched ahead of the last tokens, if any, and frees what it held
         assert llm.kv.allocator.num_free() == llm.kv.num_blocks
         return [(o.token_ids, o.text, o.finish_reason) for o in outs], runs
 
@@ -1236,10 +1301,26 @@ def test_multi_step_decoding_changes_no_token(tiny):
     stop = text[len(text) // 2:len(text) // 2 + 2]  # ends request 0 partway, inside a run of steps
     eager, _ = run(stop, cuda_graphs=False)
     graphed, runs = run(stop)
-    assert max(n for _, n in runs) == ni.LOOKAHEAD, runs
+    assert max(n for _, n in runs) == cuda_backend.MAX_STEPS_PER_RUN, runs
     assert any(ahead and n for ahead, n in runs), f"no run was launched ahead of the host: {runs}"
     assert graphed == eager
     assert eager[0][2] == "stop"
+
+
+@NO_GPU
+def test_graph_runs_in_a_pool_too_tight_for_one_more_step(tiny, monkeypatch):
+    """The smallest engine where a run launched ahead finds no free block for even one more step (two requests,
+    blocks of one token, a pool of 19 for 3 + 16 tokens each): it must not be launched (it was, with a slot past
+    its block table: IndexError in slot_mapping); the scheduler preempts instead, and both requests get the greedy
+    tokens of a roomy engine; every block is free at the end; fp32."""
+    prompts, params = [[464, 2068, 7586], [15496, 11, 616]], greedy(16)
+    roomy = [o.token_ids for o in LLM(str(tiny.path), device="cuda", dtype="float32", num_kv_tokens=4096)
+             .generate(prompts, params)]
+    launches = graph_launches(monkeypatch)
+    llm = LLM(str(tiny.path), device="cuda", dtype="float32", num_kv_tokens=19, block_size=1, max_num_seqs=2)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == roomy
+    assert launches and llm.scheduler.num_preemptions > 0, (launches, llm.scheduler.num_preemptions)
+    assert llm.kv.allocator.num_free() == llm.kv.num_blocks
 
 
 @NO_GPU
@@ -1265,7 +1346,7 @@ def test_a_full_engine_admits_by_groups(tiny):
     eager, one_by_one = run(cuda_graphs=False)
     graphed, by_groups = run(cuda_graphs=True)
     assert any(n == 1 for w, n in one_by_one if w > 1), one_by_one
-    assert all(n >= min(w, 32 // ni.ADMIT_GROUP) for w, n in by_groups), by_groups
+    assert all(n >= min(w, 32 // cuda_backend.ADMIT_GROUP) for w, n in by_groups), by_groups
     assert graphed == eager
 
 

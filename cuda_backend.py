@@ -1,0 +1,668 @@
+"""
+The CUDA backend: every speed trick of nanoinfer behind one door, imported only for device="cuda". A first reading
+can skip it: nanoinfer.py's numpy op set defines what each op computes.
+
+1. Compiling kernels.cu, and launching its kernels (in a CUDA graph, as dependent launches).
+2. CudaBackend, the op set as kernels; plan_matmul and plan_attention pick a kernel, tile and split for each shape.
+3. GraphRunner, the engine's runner: decode steps replayed from CUDA graphs, up to 16 per run, the next run launched
+   before the host reads this one's tokens; every other step runs eagerly, op by op.
+"""
+import ctypes
+import functools
+import math
+import re
+import types
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from nanoinfer import EagerRunner, sampling_arrays
+
+cp = None  # cupy, imported when a CudaBackend is made (this file imports without it: plans are plain Python)
+
+
+def cdiv(a, b):
+    return -(-a // b)
+
+
+def find_gpu():
+    """None if CuPy sees a Hopper GPU (the kernels use its wgmma and dependent launches), else why not."""
+    try:
+        import cupy
+        cc = cupy.cuda.Device().attributes if cupy.cuda.runtime.getDeviceCount() else None
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    if cc is not None and cc.get("ComputeCapabilityMajor", 9) != 9:
+        return (f"the GPU has compute capability {cc['ComputeCapabilityMajor']}.{cc.get('ComputeCapabilityMinor', 0)}; "
+                "the kernels are Hopper's (9.0: H100, H200)")
+    return None if cc is not None else "no GPU is visible"
+
+# -----------------------------------------------------------------------------
+# 1. compiling and launching kernels.cu
+
+
+KERNELS_CU = Path(__file__).with_name("kernels.cu")
+TC_TILES = ((128, 128, 3), (128, 144, 3), (128, 128, 4), (64, 128, 3), (64, 128, 8), (64, 32, 8))  # BM, BN, stages
+TEMPLATES = ([f"matmul_tc<{bm},{bn},{s}>" for bm, bn, s in TC_TILES] + ["matmul_gemv<4>", "matmul_gemv<8>"] +
+             [f"{k}<{t}>" for t in ("float", "half") for k in ("layernorm", "embed", "cache_write", "attention_decode")])
+PLAIN = ["matmul_f32", "matmul_skinny", "attention_prefill", "sample_tokens", "decode_advance", "take_rows"]
+GEMV_SMEM = 224 * 1024  # matmul_gemv keeps x in shared memory: K * 2 bytes at most
+SAMPLE_SMEM = 204 * 1024  # sample_tokens caches a row's p in shared memory up to V = 52224
+
+
+def tc_smem(bm, bn, stages):
+    return stages * (bm + bn) * 128 + 1024  # (BM + BN) rows of 128 bytes per stage, and room to align to 1024
+
+
+@functools.cache
+def compile_kernels():
+    """Compile kernels.cu once per process (CuPy caches the binary on disk); {name: cupy.RawKernel}."""
+    src = KERNELS_CU.read_text()
+    try:
+        mod = cp.RawModule(code=src, options=("-arch=sm_90a",), name_expressions=TEMPLATES)  # sm_90a: wgmma
+        kernels = {name: mod.get_function(name) for name in TEMPLATES + PLAIN}
+    except cp.cuda.compiler.CompileException as e:  # name the source lines, not NVRTC's temporary file
+        log, lines = e.get_message(), src.splitlines()
+        where = [f"  kernels.cu:{n}: {lines[int(n) - 1].strip()}"
+                 for n in dict.fromkeys(re.findall(r"\((\d+)\): error", log)) if 0 < int(n) <= len(lines)]
+        raise RuntimeError(f"{KERNELS_CU} failed to compile (NVRTC):\n" + "\n".join(where) +
+                           "\n\nfull compiler log:\n" + log.replace("kern.cu(", "kernels.cu(")) from None
+    for bm, bn, stages in TC_TILES:  # more than 48 KB of shared memory needs an opt-in per kernel
+        kernels[f"matmul_tc<{bm},{bn},{stages}>"].max_dynamic_shared_size_bytes = tc_smem(bm, bn, stages)
+    for r in (4, 8):
+        kernels[f"matmul_gemv<{r}>"].max_dynamic_shared_size_bytes = GEMV_SMEM
+    kernels["sample_tokens"].max_dynamic_shared_size_bytes = SAMPLE_SMEM
+    return kernels
+
+
+class _LaunchAttribute(ctypes.Structure):  # cuda.h's CUlaunchAttribute: an id, then a 64-byte union at offset 8
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_int), ("value", ctypes.c_int), ("rest", ctypes.c_char * 60)]
+
+
+class _LaunchConfig(ctypes.Structure):  # cuda.h's CUlaunchConfig
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_mem", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
+
+
+@functools.cache
+def _libcuda():
+    lib = ctypes.CDLL("libcuda.so.1")  # the driver, loaded already by CuPy
+    lib.cuLaunchKernelEx.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    return lib
+
+
+def launch_dependent(kernel, grid, block, args, shared_mem):
+    """Launch as a programmatic dependent launch: the kernel may start while the one before it is still running,
+    load its weights, and wait for that kernel's outputs at griddepcontrol.wait (kernels.cu, wait_for_inputs).
+    CuPy cannot ask for that, so the driver's cuLaunchKernelEx is called through ctypes, with each argument
+    passed as CuPy would pass it."""
+    values = [ctypes.c_void_p(a.data.ptr) if isinstance(a, cp.ndarray) else  # an array: its pointer
+              ctypes.create_string_buffer(a.tobytes(), a.nbytes) if isinstance(a, np.generic) else  # its bytes
+              ctypes.c_int64(a) for a in args]  # a Python int (0: a null pointer) as a 64-bit integer
+    params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
+    attr = _LaunchAttribute(id=6, value=1)  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION: allowed
+    dims = [tuple(d) + (1,) * (3 - len(d)) for d in (grid, block)]
+    config = _LaunchConfig(dims[0], dims[1], shared_mem, cp.cuda.get_current_stream().ptr, ctypes.pointer(attr), 1)
+    err = _libcuda().cuLaunchKernelEx(ctypes.byref(config), ctypes.c_void_p(kernel.kernel.ptr), params, None)
+    if err:
+        raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {err}")
+
+# -----------------------------------------------------------------------------
+# 2. the op set as kernels, and the plans that pick a kernel for each shape
+
+
+SPLITK_SCRATCH = 1 << 22  # floats of split-K partial sums (16 MB), enough for every GPT-2 decode shape
+GEMV_LIGHT = 8 << 20  # matrices up to this many bytes take matmul_gemv<4>: room on the SM for the next kernel
+SKINNY_MAX_M = 8  # decode batches up to this many rows stream the weights through matmul_skinny
+PREFILL_MIN_Q = 16  # fp16 sequences with this many queries in a step use the tensor-core prefill attention
+
+
+@dataclass(frozen=True)
+class MatmulPlan:
+    kernel: str
+    grid: tuple  # (x, y, z) blocks
+    block: int  # threads per block
+    shared_mem: int = 0  # bytes of dynamic shared memory
+    splits: int = 1  # K split over this many blocks, the last to finish adding up the partial sums
+    k_per_split: int = 0
+    ln_fused: bool = False  # the layernorm in front runs in the kernel's prologue (else as a kernel of its own)
+
+
+def split_k(blocks, per_sm, K, most, MN, num_sms):
+    """(splits, k_per_split): when `blocks` leave SMs idle, K is split too, up to per_sm blocks per SM, in chunks
+    of 64 and at most `most` ways (a split that leaves each block little of K costs more to add up than it saves)."""
+    splits = 1
+    if blocks < num_sms:
+        splits = max(1, min(per_sm * num_sms // blocks, most, SPLITK_SCRATCH // MN))
+    k_per_split = cdiv(cdiv(K, 64), splits) * 64
+    return cdiv(K, k_per_split), k_per_split
+
+
+def plan_matmul(M, N, K, ln, dtype, num_sms):
+    """Which kernel computes y = epilogue(layernorm(x) @ w.T) for x (M, K) and w (N, K), with what tiles and split.
+    ln: a layernorm in front wants fusing. Decode is memory-bound (stream w once, keep every SM busy); prefill is
+    compute-bound (big tensor-core tiles, few rounds of blocks)."""
+    if np.dtype(dtype) == np.float32:  # the exact path: plain fp32 FMAs, 64 x 64 tiles
+        return MatmulPlan("matmul_f32", (cdiv(N, 64), cdiv(M, 64), 1), 256)
+    if M == 1 and K * 2 <= GEMV_SMEM and N <= 16384 and (not ln or K <= 2048):
+        # one stream's decode: a warp per row of w; the lm_head's 50257 rows stream as fast through the tensor cores
+        light = N * K * 2 <= GEMV_LIGHT  # 4 loads per lane per round leave room for the next kernel's blocks
+        return MatmulPlan(f"matmul_gemv<{4 if light else 8}>", (min(cdiv(N, 8), 2 * num_sms), 1, 1), 256,
+                          K * 2, ln_fused=ln)
+    if M <= SKINNY_MAX_M:  # small decode batches: 16 rows of w per block through the tensor cores, K split >= 16 ways
+        splits, k_per_split = split_k(cdiv(N, 16), 2, K, cdiv(K, 64) // 16, M * N, num_sms)
+        return MatmulPlan("matmul_skinny", (cdiv(N, 16), splits, 1), 128, 0, splits, k_per_split)
+    # matmul_tc (wgmma). Prefill, when 128-row tiles fill the SMs: 3 stages, two blocks per SM, 144-wide tiles where
+    # they take fewer rounds of blocks (a round costs about the tile width). Fewer tiles than SMs: a block has its SM
+    # alone, so more stages; 128-row tiles while the 64-row ones would fill the SMs. Decode batches of 9-512 rows:
+    # 64 x 32 tiles while they make no more than two blocks per SM (more blocks, each with fewer k-steps to do one
+    # after another), else 64 x 128, 8 stages, and K split in >= 12 tiles of 64 (partial sums go as float4s).
+    gn, bn, per_sm = cdiv(N, 128), 128, 1
+    if M > 64 and cdiv(M, 128) * gn >= num_sms:
+        bm, stages = 128, 3
+        rounds = lambda width: cdiv(cdiv(M, 128) * cdiv(N, width), 2 * num_sms) * width
+        bn = 144 if rounds(144) < rounds(128) else 128
+    elif cdiv(M, 64) * gn >= num_sms:
+        bm, stages = (64, 3) if M <= 64 else (128, 4)
+    else:
+        bm, stages = 64, 8
+        if cdiv(M, 64) * cdiv(N, 32) <= 2 * num_sms:
+            bn, per_sm = 32, 2
+    most = cdiv(K, 64) // 12 if N % 4 == 0 else 1
+    splits, k_per_split = split_k(cdiv(M, bm) * cdiv(N, bn), per_sm, K, most, M * N, num_sms)
+    return MatmulPlan(f"matmul_tc<{bm},{bn},{stages}>", (cdiv(N, bn), cdiv(M, bm), splits), 2 * bm,
+                      tc_smem(bm, bn, stages), splits, k_per_split)
+
+
+def plan_attention(cu_seqlens_q, context_lens, tensor_cores):
+    """Split a step's queries between the attention kernels, with numpy (no per-token Python loops): every query of
+    a decoding sequence (or of any sequence in fp32) is one row for attention_decode; a sequence with
+    PREFILL_MIN_Q or more queries is cut into 64-query tiles for attention_prefill, most keys first (so the longest
+    tiles do not finish last). Returns {name: int array}."""
+    cu, ctx = np.asarray(cu_seqlens_q, np.int64), np.asarray(context_lens, np.int64)
+    n_q = np.diff(cu)
+    tiled = n_q >= PREFILL_MIN_Q if tensor_cores else np.zeros(len(n_q), bool)
+    rs = np.nonzero(~tiled & (n_q > 0))[0]  # rows: every query of the untiled sequences
+    counts = n_q[rs]
+    row_seq = np.repeat(rs, counts)
+    offs = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+    row_len = ctx[row_seq] - n_q[row_seq] + offs + 1  # keys visible to this query
+    ts = np.nonzero(tiled)[0]  # tiles
+    ntile = cdiv(n_q[ts], 64)
+    tile_seq = np.repeat(ts, ntile)
+    tile_q0 = (np.arange(ntile.sum()) - np.repeat(np.cumsum(ntile) - ntile, ntile)) * 64
+    order = np.argsort(-(ctx[tile_seq] - n_q[tile_seq] + tile_q0), kind="stable")
+    return dict(row_q=cu[row_seq] + offs, row_seq=row_seq, row_len=row_len, tile_seq=tile_seq[order],
+                tile_q0=tile_q0[order])
+
+
+def device_batch(**fields):
+    """A Batch on the GPU with its attention plan: what every op of a step reads."""
+    return types.SimpleNamespace(n_rows=len(fields["row_seq"]), n_tiles=len(fields["tile_seq"]), **fields)
+
+
+class CudaBackend:
+    """The numpy backend's ops as hand-written kernels. Arrays are CuPy arrays; kernels get bare pointers, so each op
+    makes its inputs contiguous (or row-strided views with contiguous heads, for q/k/v in the qkv output) and passes
+    every scalar as np.int32 / np.float32 (a Python float would arrive as a double)."""
+    name = "cuda"
+
+    def __init__(self, dtype=np.float16):
+        global cp
+        import cupy as cp
+        self.dtype = np.dtype(dtype)
+        if self.dtype not in (np.float16, np.float32):
+            raise ValueError(f"CudaBackend: dtype must be float16 or float32, got {self.dtype}")
+        self.k = compile_kernels()
+        self.t = "half" if self.dtype == np.float16 else "float"
+        self.vec = 16 // self.dtype.itemsize  # elements per 16-byte vector
+        self.num_sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+        self.fuse = True  # False runs layernorms, bias, GELU and residual adds as kernels of their own
+        self.pdl = True  # False captures CUDA graphs whose kernels each wait for the one before to finish
+        self._dependent = False  # launching into a graph capture with pdl on
+        self._gelu = cp.ElementwiseKernel("T x", "T y", "float v = x; y = 0.5f * v * (1.f + tanhf(0.7978845608f * "
+                                          "(v + 0.044715f * v * v * v)))", "gelu_tanh")  # the unfused GELU
+        # split-K scratch, allocated once: a CUDA graph keeps pointers, so nothing it uses may move later
+        self._counters = cp.zeros(4096, np.int32)  # split-K and split-context arrival counters (self-resetting)
+        self._partial = cp.empty(SPLITK_SCRATCH, np.float32)  # split-K partial sums
+
+    def launch(self, name, grid, block, args, shared_mem=0):
+        """Launch kernels.cu's kernel `name` on the current stream; inside capture() with pdl on, as a dependent
+        launch (eager steps keep CuPy's launcher, which costs less host time)."""
+        if self._dependent:
+            return launch_dependent(self.k[name], grid, block, args, shared_mem)
+        self.k[name](grid, block, args, shared_mem=shared_mem)
+
+    def capture(self, stream, step):
+        """The kernels step() launches on `stream`, captured as a CUDA graph."""
+        stream.begin_capture()
+        self._dependent = self.pdl
+        try:
+            step()
+        finally:
+            self._dependent = False
+            graph = stream.end_capture()
+        return graph
+
+    # ---- arrays -------------------------------------------------------------------------------
+    def asarray(self, a, dtype=None):  # floating arrays take the backend's dtype, as in NumpyBackend
+        a = cp.asarray(a)
+        return cp.ascontiguousarray(a, dtype=dtype or (self.dtype if a.dtype.kind == "f" else a.dtype))
+
+    def tohost(self, a):
+        return cp.asnumpy(a)
+
+    def empty(self, shape, dtype=None):  # every op allocates its output here (tests poison it)
+        return cp.empty(shape, dtype=self.dtype if dtype is None else dtype)
+
+    def zeros(self, shape, dtype=None):
+        return cp.zeros(shape, dtype=self.dtype if dtype is None else dtype)
+
+    def memory_info(self):
+        cp.get_default_memory_pool().free_all_blocks()  # blocks CuPy caches for reuse count as free here
+        return cp.cuda.runtime.memGetInfo()  # (free, total) bytes
+
+    def _contiguous(self, a, dtype=None):
+        """a as a C-contiguous, 16-byte-aligned cupy array of `dtype` (default: the backend's), without a copy or
+        even a cp.asarray call (a microsecond or two of host time) when it already is one."""
+        dtype = self.dtype if dtype is None else dtype
+        if type(a) is not cp.ndarray or a.dtype != dtype:
+            a = cp.asarray(a, dtype=dtype)
+        return a if a.flags.c_contiguous and a.data.ptr % 16 == 0 else a.copy()
+
+    def _heads(self, a):
+        """(a, its token stride in elements) for a (T, H, D) array whose heads are contiguous within a token
+        (q, k, v as views into the qkv matmul output need no copy); anything else is copied."""
+        a = cp.asarray(a, dtype=self.dtype)
+        D, isz = a.shape[2], a.itemsize
+        if a.strides[1:] != (D * isz, isz) or a.strides[0] % 16 or a.data.ptr % 16:
+            a = a.copy()
+        return a, a.strides[0] // isz
+
+    def to_device(self, batch):
+        """The batch's int32 arrays and its attention plan on the GPU, in one host-to-device copy (each array a
+        16-byte-aligned view of it): a copy per array would cost an eager step more host time than its kernels."""
+        fields = {f: getattr(batch, f) for f in ("input_ids", "positions", "slot_mapping", "cu_seqlens_q",
+                                                 "context_lens", "block_tables", "logits_idx")}
+        fields.update(plan_attention(batch.cu_seqlens_q, batch.context_lens, self.dtype == np.float16))
+        fields = {f: np.asarray(a, np.int32) for f, a in fields.items() if a is not None}
+        starts = np.cumsum([0] + [cdiv(a.size, 4) * 4 for a in fields.values()])  # in int32s: 16-byte steps
+        host = np.zeros(starts[-1], np.int32)
+        for a, start in zip(fields.values(), starts):
+            host[start:start + a.size] = a.ravel()
+        dev = cp.asarray(host)
+        views = {f: dev[start:start + a.size].reshape(a.shape) for (f, a), start in zip(fields.items(), starts)}
+        return device_batch(**{"logits_idx": None, **views}, max_row_len=int(fields["row_len"].max(initial=0)))
+
+    # ---- ops ----------------------------------------------------------------------------------
+    def embed(self, wte, wpe, input_ids, positions):
+        ids, pos = self._contiguous(input_ids, np.int32), self._contiguous(positions, np.int32)
+        C = wte.shape[1]
+        assert C % self.vec == 0, f"embed: C={C} must be a multiple of {self.vec}"
+        out = self.empty((ids.shape[0], C))
+        if ids.shape[0]:
+            self.launch(f"embed<{self.t}>", (ids.shape[0],), (128,),
+                        (self._contiguous(wte), self._contiguous(wpe), ids, pos, out, np.int32(C)))
+        return out
+
+    def layernorm(self, x, w, b, eps):
+        x = self._contiguous(x)
+        T, C = x.shape
+        assert C % self.vec == 0 and C <= 2048, f"layernorm: C={C} must be a multiple of {self.vec} and <= 2048"
+        y = self.empty((T, C))
+        if T:
+            self.launch(f"layernorm<{self.t}>", (cdiv(T, 4),), (128,),
+                        (x, self._contiguous(w), self._contiguous(b), y, np.int32(T), np.int32(C), np.float32(eps)))
+        return y
+
+    def matmul(self, x, w, bias=None, gelu=False, residual=None, ln=None, out_dtype=None):
+        M, K = x.shape
+        N = w.shape[0]
+        plan = plan_matmul(M, N, K, ln is not None and self.fuse, self.dtype, self.num_sms)
+        if ln is not None and not plan.ln_fused:  # the layernorm as a kernel of its own
+            x, ln = self.layernorm(x, *ln), None
+        if not self.fuse and (bias is not None or gelu or residual is not None):
+            y = self.matmul(x, w)  # what fusion saves, to measure it: each epilogue step one more pass over y
+            y = y if bias is None else y + bias
+            y = self._gelu(y) if gelu else y
+            y = y if residual is None else y + residual
+            return y if out_dtype is None else y.astype(out_dtype)
+        x, w = self._contiguous(x), self._contiguous(w)
+        if w.shape[1] != K:
+            raise ValueError(f"matmul: x is (M, K) = {x.shape} but w is {w.shape}, expected (N, {K})")
+        if self.dtype == np.float16 and K % 8:
+            raise ValueError(f"matmul: K={K} must be a multiple of 8 (rows are read as 16-byte vectors)")
+        f32 = self.dtype == np.float32 or np.dtype(out_dtype or self.dtype) == np.float32  # logits: the accumulator
+        y = self.empty((M, N), np.float32 if f32 else self.dtype)
+        if M == 0 or N == 0:
+            return y
+        bias = 0 if bias is None else self._contiguous(bias)
+        residual = 0 if residual is None else self._contiguous(residual)
+        args = (x, w, bias, residual, y, np.int32(M), np.int32(N), np.int32(K), np.int32(bool(gelu)))
+        if plan.kernel.startswith("matmul_gemv"):
+            ln_w, ln_b, eps = (0, 0, 0.0) if ln is None else (self._contiguous(ln[0]), self._contiguous(ln[1]), ln[2])
+            args += (np.int32(f32), ln_w, ln_b, np.float32(eps))
+        elif plan.kernel != "matmul_f32":
+            args += (np.int32(f32), np.int32(plan.k_per_split), self._partial, self._counters)
+        self.launch(plan.kernel, plan.grid, (plan.block,), args, shared_mem=plan.shared_mem)
+        return y if out_dtype is None else y.astype(out_dtype, copy=False)
+
+    def cache_write(self, k, v, k_cache, v_cache, slot_mapping):
+        (k, ks), (v, vs) = self._heads(k), self._heads(v)
+        T, H, D = k.shape
+        if T:
+            self.launch(f"cache_write<{self.t}>", (T,), (128,), (k, v, np.int32(ks), np.int32(vs), k_cache, v_cache,
+                                                                 self._contiguous(slot_mapping, np.int32), np.int32(H * D)))
+
+    def attention(self, q, k, v, k_cache, v_cache, batch, scale):
+        T, H, D = q.shape
+        if D != 64:
+            raise NotImplementedError(f"attention: the kernels are written for head_dim 64 (every GPT-2), got {D}")
+        # decode (one query per sequence, so no other query needs this step's keys from the cache): the
+        # attention kernel writes the cache itself; otherwise a cache_write kernel goes first
+        new_kv = (0, 0, np.int32(0), 0)
+        if self.fuse and batch.n_tiles == 0 and batch.n_rows == len(batch.context_lens):
+            (k, ks), (v, vs) = self._heads(k), self._heads(v)
+            assert ks == vs, "attention: k and v must share a token stride (views into one qkv array)"
+            new_kv = (k, v, np.int32(ks), batch.slot_mapping)
+        else:
+            self.cache_write(k, v, k_cache, v_cache, batch.slot_mapping)
+        q, qs = self._heads(q)
+        out = self.empty((T, H, D))
+        common = (batch.block_tables, np.int32(batch.block_tables.shape[1]), np.int32(k_cache.shape[1]))
+        scale_log2 = np.float32(scale * math.log2(math.e))
+        if batch.n_tiles:
+            self.launch("attention_prefill", (batch.n_tiles, H), (128,),
+                        (q, np.int32(qs), k_cache, v_cache) + common + (batch.cu_seqlens_q, batch.context_lens,
+                                                                        batch.tile_seq, batch.tile_q0, np.int32(H),
+                                                                        scale_log2, out))
+        if batch.n_rows:
+            # flash-decoding: split the context until there are ~4 blocks per SM, >= 32 keys per split, and at most
+            # 32 splits (the merge holds their log-sum-exps in shared memory)
+            nsplit = max(1, min(cdiv(4 * self.num_sms, batch.n_rows * H), cdiv(batch.max_row_len, 32), 32))
+            assert nsplit == 1 or batch.n_rows * H <= self._counters.size
+            part_o = cp.empty(batch.n_rows * H * nsplit * 64 if nsplit > 1 else 0, np.float32)
+            part_lse = cp.empty(batch.n_rows * H * nsplit if nsplit > 1 else 0, np.float32)
+            self.launch(f"attention_decode<{self.t}>", (batch.n_rows, H, nsplit), (128,),
+                        (q, np.int32(qs)) + new_kv + (k_cache, v_cache) + common +
+                        (batch.row_q, batch.row_seq, batch.row_len, np.int32(H), scale_log2, out, part_o, part_lse,
+                         self._counters))
+        return out
+
+    def sample_device(self, logits, temperature, top_k, top_p, seed, step):
+        """sample() without the copy back: the (R,) int32 token ids on the GPU."""
+        logits = self._contiguous(logits, np.float32)
+        R, V = logits.shape
+        tokens = self.empty((R,), np.int32)
+        if R:
+            cache = V * 4 <= SAMPLE_SMEM
+            self.launch("sample_tokens", (R,), (1024,),
+                        (logits, np.int32(V), self._contiguous(temperature, np.float32),
+                         self._contiguous(top_k, np.int32), self._contiguous(top_p, np.float32),
+                         self._contiguous(seed, np.uint64), self._contiguous(step, np.int32), tokens,
+                         np.int32(cache)), shared_mem=V * 4 if cache else 0)
+        return tokens
+
+    def sample(self, logits, temperature, top_k, top_p, seed, step):
+        return cp.asnumpy(self.sample_device(logits, temperature, top_k, top_p, seed, step)).astype(np.int64)
+
+# -----------------------------------------------------------------------------
+# 3. the graph runner: decode steps replayed from CUDA graphs, many per run
+
+
+GRAPH_BUCKETS = (1, 2, 4, 8) + tuple(range(16, 257, 16))  # decode batch sizes with a graph each: pads <= 15 rows
+MAX_STEPS_PER_RUN = 16  # decode steps one graph run may take (multi-step decoding), the size of the token ring
+ADMIT_GROUP = 8  # a full engine lets waiting requests in once 1/8 of its seats are free
+
+
+def steps_left(seqs, ahead, n_ctx):
+    """(S,) the decode steps each sequence may still take, `ahead` steps past the host's tokens (0: done)."""
+    return np.array([0 if s.finish_reason else min(s.params.max_tokens - s.num_output, n_ctx - len(s.token_ids))
+                     - ahead for s in seqs]).clip(0)
+
+
+@dataclass
+class RunPlan:
+    """A graph run of `steps` decode steps; per row: the sampling counter of its first step, the steps it may take
+    (after the last it is padding), the position its first step computes, that token's cache slot (-1: padding)
+    and its block table."""
+    steps: int
+    step: np.ndarray
+    remaining: np.ndarray
+    positions: np.ndarray
+    slot_mapping: np.ndarray
+    block_tables: np.ndarray
+
+
+def plan_run(kv, seqs, ahead, max_steps, n_ctx):
+    """A run of decode steps that starts `ahead` steps past the host's tokens, with the KV blocks of all its steps
+    reserved here: up to max_steps, no more than the longest sequence may still take, halved until the free blocks
+    cover it. None if they cannot cover even one step (the scheduler then makes room, preempting). A sequence that
+    stops early (EOS, a stop string) wastes the steps after; it never emits them."""
+    left = steps_left(seqs, ahead, n_ctx)
+    first = [len(s.token_ids) - 1 + ahead for s in seqs]  # the position each one's first step computes
+    steps = int(min(max_steps, left.max(initial=0)))
+    while steps > 0 and sum(max(0, kv.blocks_needed(p + min(steps, n)) - len(kv.block_tables.get(s.seq_id, ())))
+                            for s, p, n in zip(seqs, first, left) if n) > kv.allocator.num_free():
+        steps //= 2
+    if steps == 0:
+        return None
+    for s, p, n in zip(seqs, first, left):
+        if n:
+            kv.grow(s.seq_id, p + min(steps, n))
+    positions = np.where(left > 0, first, 0)
+    tables = kv.block_table_array([s.seq_id for s in seqs])  # (S, max_blocks)
+    slots = np.where(left > 0, kv.slot_mapping(tables, np.arange(len(seqs)), positions), -1)
+    return RunPlan(steps, np.array([s.num_output + ahead for s in seqs]), left, positions, slots, tables)
+
+
+@dataclass
+class GraphRun:
+    """Launched decode steps: the graph, its sequences (one per row), how many steps, where each row starts, the
+    token ring row of the first step, and an event recorded after the last."""
+    graph: "DecodeGraph"
+    seqs: list
+    steps: int
+    first_positions: dict  # seq_id -> the position its first step computes
+    first_ring_row: int
+    done: object
+
+    def tokens(self):
+        """(steps, rows) token ids, once the run is done."""
+        self.done.synchronize()
+        ring = self.graph.token_ring.get()
+        return ring[(self.first_ring_row + np.arange(self.steps)) % len(ring), :len(self.seqs)].astype(np.int64)
+
+
+class DecodeGraph:
+    """A decode step of up to B sequences replayed from one CUDA graph: its ~65 kernels cost one launch. A graph
+    freezes the pointers and scalars it was captured with, so the step's inputs live in one fixed buffer (one
+    host-to-device copy), attention is planned for the longest context (the kernels stop at each row's length),
+    unused rows are padding (cache slot -1, never written), and the activations come from a pool only the graphs
+    use (on one stream they never run at once), so their addresses stay theirs. The step ends by turning its
+    sampled tokens into the next step's inputs on the GPU (decode_advance), each step's tokens kept in a ring of
+    rows, so it can be replayed many times in a row: the host's work and its wait are paid once per run."""
+    # the step's inputs, in one int32 buffer; from `step` on, rewritten by carry_on for a run that goes on
+    FIELDS = ("seed", "temperature", "top_p", "top_k", "input_ids", "substep",
+              "step", "remaining", "positions", "context_lens", "slot_mapping", "block_tables")
+    PADDING = dict(seed=0, temperature=0, top_p=1, top_k=0, input_ids=0,  # a padding row: greedy, never written
+                   step=0, remaining=0, positions=0, slot_mapping=-1)
+    TYPES = dict(seed=np.uint64, temperature=np.float32, top_p=np.float32)  # the others are int32
+
+    def __init__(self, model, kv, B, stream, pool):
+        be, n_ctx = model.backend, model.config.n_ctx
+        self.B, self.stream, max_blocks = B, stream, kv.blocks_needed(n_ctx)
+        sizes = dict.fromkeys(self.FIELDS, B) | dict(seed=2 * B, substep=1, block_tables=B * max_blocks)
+        self.host_buffer = np.zeros(sum(sizes.values()), np.int32)
+        starts = dict(zip(self.FIELDS, np.cumsum([0] + [sizes[f] for f in self.FIELDS])))
+        self.carry_from = starts["step"]
+        cp.cuda.Device().synchronize()  # the weights and the cache were made on the default stream, which ours skips
+        with stream:
+            self.dev_buffer = cp.zeros_like(self.host_buffer)
+            self.host = {f: self.host_buffer[starts[f]:starts[f] + sizes[f]] for f in self.FIELDS}
+            self.dev = {f: self.dev_buffer[starts[f]:starts[f] + sizes[f]] for f in self.FIELDS}
+            self.token_ring = cp.zeros((2 * MAX_STEPS_PER_RUN, B), np.int32)  # one run's tokens while the next runs
+            self.ring_row = 0  # the ring row the next step writes (the GPU keeps its own count in `substep`)
+            rows = cp.arange(B + 1, dtype=np.int32)
+            d = self.dev
+            self.batch = device_batch(  # CudaBackend.to_device's fields, for B decode rows
+                input_ids=d["input_ids"], positions=d["positions"], slot_mapping=d["slot_mapping"],
+                context_lens=d["context_lens"], block_tables=d["block_tables"].reshape(B, max_blocks),
+                cu_seqlens_q=rows, logits_idx=None, max_row_len=n_ctx, row_q=rows[:B], row_seq=rows[:B],
+                row_len=d["context_lens"], tile_seq=rows[:0], tile_q0=rows[:0])
+            self.start([], sampling_arrays([]), RunPlan(0, *([],) * 4, np.zeros((0, 1), np.int32)))
+            # the step's activations, and only they, come from the pool the graphs share: what one graph leaves free
+            # there, the next one captured may take (a buffer kept from one step to the next, above, must not)
+            with cp.cuda.using_allocator(pool.malloc):
+                self._step(model, kv)  # warm-up: the first launches and allocations stay out of the capture
+                stream.synchronize()
+                self.graph = be.capture(stream, lambda: self._step(model, kv))
+        self.graph.upload(stream)
+
+    def _step(self, model, kv):
+        d, be = self.dev, model.backend
+        logits = model.forward_on_device(self.batch, kv)
+        tokens = be.sample_device(logits, d["temperature"].view(np.float32), d["top_k"], d["top_p"].view(np.float32),
+                                  d["seed"].view(np.uint64), d["step"])
+        be.launch("decode_advance", (1,), (self.B,),
+                  (tokens, d["input_ids"], d["positions"], d["context_lens"], d["slot_mapping"], d["step"],
+                   d["remaining"], d["block_tables"], np.int32(self.batch.block_tables.shape[1]),
+                   np.int32(kv.block_size), self.token_ring, np.int32(len(self.token_ring)), d["substep"],
+                   np.int32(self.B)))
+
+    def start(self, input_ids, sampling, plan):
+        """Load a decode batch of n <= B sequences: each one's last token, its sampling parameters (a
+        SamplingArrays) and its rows of the run's plan. Rows past n are padding: greedy, never written."""
+        self.n = len(input_ids)
+        for name in ("temperature", "top_k", "top_p", "seed"):
+            self._write(name, getattr(sampling, name))
+        self._write("input_ids", input_ids)
+        self.host["substep"][0] = self.ring_row = 0
+        self._write_rows(plan)
+        self.dev_buffer.set(self.host_buffer, stream=self.stream)
+
+    def carry_on(self, plan):
+        """Let the next run go on from where the launched ones stop: the GPU has each row's next input token; the
+        host rewrites the rest (blocks added since, rows that are done now padding). Stream-ordered."""
+        self._write_rows(plan)
+        self.dev_buffer[self.carry_from:].set(self.host_buffer[self.carry_from:], stream=self.stream)
+
+    def _write(self, name, values):  # the first n rows of a field, and padding after them
+        field = self.host[name].view(self.TYPES.get(name, np.int32))
+        field[:self.n], field[self.n:] = values, self.PADDING[name]
+
+    def _write_rows(self, plan):
+        for name in ("step", "remaining", "positions", "slot_mapping"):
+            self._write(name, getattr(plan, name))
+        self.host["context_lens"][:] = self.host["positions"] + 1  # position p sees p + 1 keys; padding sees 1
+        tables = self.host["block_tables"].reshape(self.B, -1)
+        tables[:] = 0
+        tables[:self.n, :plan.block_tables.shape[1]] = plan.block_tables
+
+    def take_inputs(self, backend, other, rows):
+        """Each row's input token is graph `other`'s row rows[i], gathered on the GPU where `other`'s launched run
+        leaves it (one stream: after it), so the host need not wait for it."""
+        with self.stream:
+            backend.launch("take_rows", (1,), (len(rows),), (other.dev["input_ids"], cp.asarray(rows, np.int32),
+                                                             self.dev["input_ids"], np.int32(len(rows))))
+
+    def launch(self, seqs, plan):
+        """Replay the step plan.steps times for these sequences (its rows)."""
+        first = self.ring_row
+        self.ring_row += plan.steps
+        for _ in range(plan.steps):
+            self.graph.launch(self.stream)
+        done = cp.cuda.Event()
+        done.record(self.stream)
+        starts = {s.seq_id: int(p) for s, p, n in zip(seqs, plan.positions, plan.remaining) if n}
+        return GraphRun(self, seqs, plan.steps, starts, first, done)
+
+
+class GraphRunner:
+    """The engine's runner on CUDA. Decode batches (every sequence computes its last token and samples, none wants
+    log-probabilities) are replayed from CUDA graphs in runs of up to MAX_STEPS_PER_RUN steps; before it waits for a
+    run's tokens, the runner launches the next run, which goes on from where that one stops, so the GPU computes
+    while the host turns tokens into text. Every other batch (prefill, logprobs) runs eagerly, op by op. Everything
+    runs on one stream, so a launched run always finishes before any later work reuses its blocks."""
+
+    def __init__(self, model, kv, scheduler, steps_per_run=MAX_STEPS_PER_RUN):
+        self.model, self.kv, self.scheduler, self.n_ctx = model, kv, scheduler, model.config.n_ctx
+        self.steps_per_run = min(steps_per_run, MAX_STEPS_PER_RUN)
+        self.eager = EagerRunner(model, kv)
+        self.stream = cp.cuda.Stream(non_blocking=True)
+        self.in_flight = None  # a run launched and not yet read
+        # a graph per bucket up to max_num_seqs, captured now, as serving engines do, so that no request waits for one;
+        # the largest first, whose activations the smaller ones then reuse (one stream: one shared pool)
+        pool, m = cp.cuda.MemoryPool(), scheduler.max_num_seqs
+        buckets = [b for b in GRAPH_BUCKETS if b < m] + [b for b in GRAPH_BUCKETS if b >= m][:1]
+        self.graphs = {B: DecodeGraph(model, kv, B, self.stream, pool) for B in reversed(buckets)}
+
+    def admission_group(self):
+        """How many free seats let waiting requests in this step (None: none come in). Each admission is an eager
+        step (the new prompts and every running decode, kernels launched one by one from Python) that ends the runs
+        of graph steps, so a full engine lets them in by groups (TGI's waiting_served_ratio is the same trade), and
+        none while a launched run still computes running sequences: the next step reads it."""
+        if self.in_flight and any(not s.finish_reason for s in self.in_flight.seqs):
+            return None
+        return self._group()
+
+    def _group(self):
+        return max(1, self.scheduler.max_num_seqs // ADMIT_GROUP)
+
+    def _graph_for(self, rows):
+        return self.graphs[next(b for b in GRAPH_BUCKETS if b >= rows)]
+
+    def run(self, batch, seqs):
+        """(steps, R) sampled tokens of the rows that sample, and (R, V) host logits if any of them wants logprobs."""
+        run = self._graph_run(batch, seqs)
+        if run is None:  # an eager step; a launched run that it does not read is dropped (stream order keeps it safe)
+            self.in_flight = None
+            with self.stream:
+                return self.eager.run(batch, seqs)
+        self.in_flight = self._next_run(run, seqs)
+        row_of = {s.seq_id: row for row, s in enumerate(run.seqs)}
+        return run.tokens()[:, [row_of[s.seq_id] for s in seqs]], None
+
+    def _graph_run(self, batch, seqs):
+        """The run that computes this batch: the one in flight if it does, else one launched now; None if this batch
+        is not a graph's (a prefill, a request for logprobs, or more rows than the largest graph)."""
+        if len(batch.input_ids) != len(seqs) or len(seqs) > max(self.graphs) or \
+                any(s.logprobs is not None for s in seqs):
+            return None
+        run = self.in_flight
+        if run and all(run.first_positions.get(s.seq_id) == len(s.token_ids) - 1 for s in seqs):
+            return run
+        plan = plan_run(self.kv, seqs, 0, self.steps_per_run, self.n_ctx)  # never None: the scheduler reserved step 1
+        if plan is None:
+            return None
+        graph = self._graph_for(len(seqs))
+        graph.start(batch.input_ids, sampling_arrays(seqs), plan)
+        return graph.launch(seqs, plan)
+
+    def _next_run(self, run, seqs):
+        """The run after `run`, launched now, if it can go on without the scheduler: multi-step decoding is on, this
+        step reads every unfinished row of `run`, no waiting request is to come in, and some row has steps left. The
+        rows that go on keep their graph (the others become padding) or, when they fit a smaller one, move there
+        with their input tokens gathered on the GPU. Else None."""
+        unfinished = sum(not s.finish_reason for s in run.seqs)
+        if self.steps_per_run == 1 or len(seqs) != unfinished or self.scheduler.wants_admission(self._group()):
+            return None
+        live = np.flatnonzero(steps_left(run.seqs, run.steps, self.n_ctx))
+        if not len(live):
+            return None
+        graph = self._graph_for(len(live))
+        seqs = run.seqs if graph is run.graph else [run.seqs[i] for i in live]
+        plan = plan_run(self.kv, seqs, run.steps, self.steps_per_run, self.n_ctx)
+        if plan is None:
+            return None
+        if graph is run.graph:
+            graph.carry_on(plan)
+        else:
+            graph.start(np.zeros(len(seqs), np.int32), sampling_arrays(seqs), plan)
+            graph.take_inputs(self.model.backend, run.graph, live)
+        return graph.launch(seqs, plan)
+
+    def wait(self):
+        """Until the GPU has finished everything launched (a run launched ahead included)."""
+        self.stream.synchronize()
