@@ -48,9 +48,9 @@ def main():
         for i, delta, finished in llm.stream(prompts, params):
             if finished is not None and finished.error:
                 delta = f"[refused: {finished.error}]"
-            else:  # every event is one new token
-                n_tokens += 1
+            else:  # an event carries one new token, or a run of them (CUDA graphs decode up to 16 steps per run)
                 t_first = t_first or time.perf_counter()
+                n_tokens += len(finished.token_ids) if finished is not None else 0
             pending[i].append(delta)
             done[i] = finished is not None
             while shown < len(prompts):  # print what is ready, in prompt order
