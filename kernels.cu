@@ -1,11 +1,10 @@
 // kernels.cu -- every hand-written CUDA kernel of nanoinfer, easy to hard.
 //
-// Compiled at run time by cupy.RawModule (NVRTC, -arch=sm_90a); CI compiles it with `nvcc -arch=sm_90 -c`.
-// Storage is fp16 ("half") or fp32 (the exact-comparison path); accumulation, statistics and softmax are
-// always fp32. Matmul weights are (N, K) row-major, so y = x @ w.T reads both operands along K: the tensor
-// cores' "row.col" case, no transposes anywhere. The KV cache is (num_blocks, block_size, H, 64): one slot is
-// one token's K (or V) for all heads, contiguous. No toolkit header but cuda_fp16.h: tensor cores, ldmatrix
-// and cp.async are inline PTX, each wrapper just before its first user. Contents:
+// Compiled at run time by cupy.RawModule (NVRTC, -arch=sm_90a); CI compiles it with `nvcc -arch=sm_90 -c`. Storage is
+// fp16 ("half") or fp32 (the exact-comparison path); accumulation, statistics and softmax are always fp32. Matmul
+// weights are (N, K) row-major, so y = x @ w.T reads both operands along K: the tensor cores' "row.col" case, no
+// transposes. The KV cache is (num_blocks, block_size, H, 64): a slot is one token's K (or V), all heads. Only
+// cuda_fp16.h is included: tensor cores, ldmatrix, cp.async are inline PTX, each before its first user. Contents:
 //   1. embed             out = wte[ids] + wpe[positions]: a gather
 //   2. cache_write       this step's K and V into their slots of the paged KV cache: a scatter
 //   3. layernorm         y = (x - mean) / sqrt(var + eps) * w + b, one warp per row
@@ -35,13 +34,11 @@ template <> __device__ __forceinline__ half from_float<half>(float x) { return _
 __device__ __forceinline__ uint4 load16(const void* p) { return *reinterpret_cast<const uint4*>(p); }
 __device__ __forceinline__ void store16(void* p, uint4 v) { *reinterpret_cast<uint4*>(p) = v; }
 
-// Programmatic dependent launch (sm_90). In a CUDA graph the engine launches every kernel so that it may start
-// while the kernel before it is still running (CudaBackend.launch). Until it calls wait_for_inputs() a kernel
-// may read only what no kernel of the step writes (the weights): the call returns once the kernels before it
-// have finished and their writes are visible. It then lets the next kernel's blocks onto the SMs, to load
-// their weights while this one works; in a plain launch both are no-ops. Inputs that the kernel before writes
-// are thus never __restrict__: that lets the compiler read them through the non-coherent cache (ld.global.nc),
-// which returned stale rows under dependent launches. The weights are __restrict__.
+// Programmatic dependent launch (sm_90): in a CUDA graph each kernel may start while the one before still runs
+// (CudaBackend.launch). Until wait_for_inputs() it may read only what no kernel of the step writes (the weights); the
+// call returns once the kernels before have finished, their writes visible, and lets the next kernel's blocks onto the
+// SMs to load their weights meanwhile (no-ops in a plain launch). Inputs the kernel before writes are never
+// __restrict__: the compiler would read them via ld.global.nc, which returned stale rows. Weights are __restrict__.
 __device__ __forceinline__ void wait_for_inputs() {
     asm volatile("griddepcontrol.wait;" ::: "memory");
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
@@ -106,9 +103,8 @@ __global__ void embed(const T* wte, const T* wpe, const int* ids, const int* pos
     }
 }
 
-// 2. cache_write: k_cache.reshape(-1, H*D)[slot_mapping[t]] = k[t] (and v); slot -1 is padding: skipped. A
-// scatter, memory-bound: 4*T*H*D*sizeof(T) bytes, no arithmetic; one block per token. k and v may be strided
-// views into the qkv output (row strides k_stride, v_stride), so splitting them out needs no copy.
+// 2. cache_write: k_cache.reshape(-1, H*D)[slot_mapping[t]] = k[t] (and v), skipping slot -1 (padding). A scatter,
+// memory-bound: 4*T*H*D*sizeof(T) bytes, no arithmetic, a block per token; k, v may be strided qkv views (no copy).
 template <typename T>
 __global__ void cache_write(const T* k, const T* v, int k_stride, int v_stride, T* k_cache, T* v_cache,
                             const int* slot_mapping, int HD) {
@@ -125,10 +121,9 @@ __global__ void cache_write(const T* k, const T* v, int k_stride, int v_stride, 
 // a small weight used only at the end of a kernel: into L1 before the wait, no registers held for it
 __device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefetch.global.L1 [%0];" :: "l"(p)); }
 
-// 3. layernorm: y = (x - mean) / sqrt(var + eps) * w + b per row, for prefill (decode folds it into
-// matmul_gemv's prologue). Memory-bound: 2*T*C*sizeof(T) bytes (read x, write y), ~8 FLOPs per element.
-// One warp per row; each lane keeps its slice (up to 64 values, so C <= 2048) in registers, so the row is
-// read once: mean first, then the centred sum of squares (no cancellation).
+// 3. layernorm: y = (x - mean) / sqrt(var + eps) * w + b per row, for prefill (decode folds it into matmul_gemv).
+// Memory-bound: 2*T*C*sizeof(T) bytes (read x, write y), ~8 FLOPs per element. One warp per row; each lane keeps its
+// slice (<= 64 values: C <= 2048) in registers, so x is read once: mean, then centred sum of squares (no cancellation).
 template <typename T>
 __global__ void __launch_bounds__(128) layernorm(const T* x, const T* w, const T* b, T* y, int rows, int C, float eps) {
     constexpr int VEC = 16 / sizeof(T), NV = 64 / VEC;
@@ -230,20 +225,15 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory");
 }
 
-// 5. attention_decode: attention for single query rows (decode; also every row on the fp32 path), split
-// along the context: flash-decoding. Block (row, head, split) takes keys [split*chunk, ...) of the row's
-// visible keys. One query reads every key once, so this is memory-bound: 2*len*64*sizeof(T) bytes (K and V)
-// for 4*len*64 FLOPs per (row, head). Lanes work in groups of 64/VEC (8 for fp16), one key per group, one
-// 16-byte chunk of K and of V per lane; each group keeps its own running max, sum and output, merged across
-// the warp and then across the 4 warps at the end. The bandwidth comes from bytes in flight: each thread
-// copies its own chunks of the next 7 key tiles into shared memory with cp.async, which holds no registers
-// while they fly (loads into registers could keep far fewer bytes in flight); only the thread that copied a
-// chunk reads it, so the ring needs no barrier. With one split the result goes straight to `out`. With
-// several (so that 12 heads of one sequence still fill 132 SMs), each split writes its normalised output
-// and log-sum-exp, and the last split of a (row, head) to finish (last_to_arrive) combines them, in this
-// kernel: out = sum_s exp2(lse_s - max) * o_s / sum_s exp2(lse_s - max). Decode also folds in the cache
-// write: given k_new and v_new (this step's K and V, rows of the qkv output), row r's own key (its last,
-// len - 1) is read from there, and the split that holds it stores it at slot_mapping[row_q[r]].
+// 5. attention_decode: single query rows (decode; all rows on the fp32 path), split along the context (flash-decoding):
+// block (row, head, split) takes the row's keys [split*chunk, ...). Memory-bound: 2*len*64*sizeof(T) bytes (K, V) for
+// 4*len*64 FLOPs per (row, head). Lanes work in groups of 64/VEC (8 for fp16), a key per group, a 16-byte chunk of K
+// and V per lane; each group's running max, sum and output merge across the warp, then the 4 warps. Bandwidth needs
+// bytes in flight: each thread cp.asyncs its own chunks of the next 7 key tiles to shared memory (no registers held:
+// far more fly than loads allow); only it reads them: no barrier. One split writes `out` directly; several (so 12 heads
+// of one sequence fill 132 SMs) each write normalised output and log-sum-exp, and the last to finish (last_to_arrive)
+// combines: out = sum_s exp2(lse_s - max) * o_s / sum_s exp2(lse_s - max). Decode also folds in the cache write: row
+// r's own key (len - 1) comes from k_new / v_new, and the split holding it stores it at slot_mapping[row_q[r]].
 template <typename T>
 __global__ void __launch_bounds__(128) attention_decode(
     const T* q, int q_stride, const T* k_new, const T* v_new, int kv_stride,
@@ -253,9 +243,8 @@ __global__ void __launch_bounds__(128) attention_decode(
     constexpr int D = 64, VEC = 16 / sizeof(T), LPK = D / VEC, KPW = 32 / LPK;  // lanes per key, keys per warp
     const int r = blockIdx.x, h = blockIdx.y, split = blockIdx.z;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, grp = lane / LPK, sub = lane % LPK;
-    // Before wait_for_inputs: only the qkv matmul just before writes q and this step's K and V; the row plan,
-    // the block tables and the cache up to each row's previous key come from kernels finished before it.
-    // at least 32 keys per split: a short row (or a CUDA graph planned for the longest context) uses fewer
+    // Before the wait: only the qkv matmul just before writes q and this step's K and V; the row plan, block tables and
+    // cache up to each row's previous key are older. >= 32 keys per split: short rows (or graphs) use fewer.
     const int qr = row_q[r], len = row_len[r], nsplit = min((int)gridDim.z, (len + 31) / 32);
     if (split >= nsplit) return;
     const int chunk = (len + nsplit - 1) / nsplit, k_begin = split * chunk, k_end = min(len, k_begin + chunk);
@@ -374,24 +363,22 @@ __device__ __forceinline__ uint4 load16_stream(const void* p) {
 }
 
 // 6. matmul_gemv: y = epilogue(ln(x) @ w.T) for the one row of x of a single stream's decode (from two rows on,
-// matmul_skinny's tensor cores are faster), the layernorm optionally fused into its prologue. M is always 1 (an
-// argument only so that every matmul kernel takes the same ones). Memory-bound: reads N*K*2 bytes of weights
-// once for 2*N*K FLOPs, so the kernel's job is to keep enough weight bytes in flight. One warp takes one row of
-// w at a time; a "round" is R 16-byte loads per lane (256 * R of K), and each warp always has its next round on
-// the way while it does the dot products of the current one (two register buffers), moving on to its next row,
-// gridDim.x * 8 rows further, without stopping. The grid is one wave of 2 blocks per SM. R = 8 keeps the most
-// bytes in flight; R = 4 needs only 64 registers, so 4 blocks fit an SM, and with dependent launches the next
-// kernel's blocks sit beside this one's and load their weights while it finishes (a whole GPT-2 matrix is in
-// flight in the first two rounds either way). The prologue runs once per block: while the first rounds fly,
-// the block copies x into shared memory, normalising it on the way when ln_w is given (a 16-byte chunk per
-// thread, the statistics two block-wide sums), so the layernorm costs one L2 read of x per block instead of a
-// kernel. At GPT-2's small matrices this is about one HBM round trip plus the launch.
+// matmul_skinny's tensor cores are faster), layernorm optionally fused in its prologue. M is always 1. The body is
+// written for MR rows of x with MR = 1: a one-row rewrite of it compiled to a slower kernel (NOTES.md, 2026-12-01), so
+// the row loops stay, each of one pass. Memory-bound (N*K*2 weight bytes read once, 2*N*K FLOPs): keep bytes in flight.
+// A warp takes a row of w at a time, in rounds of R 16-byte loads per lane (256 * R of K), the next on the way during
+// the current one's dot products (two register buffers), then its next row, gridDim.x * 8 on. One wave of 2 blocks per
+// SM; R = 8 keeps the most bytes in flight, R = 4 needs 64 registers, so 4 blocks fit an SM and the next kernel's
+// (dependent launch) load their weights beside this one's (either way a GPT-2 matrix flies in two rounds). The prologue
+// copies x to shared memory while the first rounds fly, normalised given ln_w (a 16-byte chunk per thread, stats: two
+// block-wide sums): one L2 read of x per block, not a layernorm kernel. GPT-2 sizes: ~one HBM round trip + launch.
 template <int R>
 __global__ void __launch_bounds__(256, R == 4 ? 4 : 2) matmul_gemv(
     const half* x, const half* __restrict__ w, const half* __restrict__ bias, const half* residual, void* __restrict__ y,
     int M, int N, int K, int gelu, int y_f32, const half* __restrict__ ln_w, const half* __restrict__ ln_b, float eps) {
+    constexpr int MR = 1;
     extern __shared__ __align__(16) unsigned char smem[];
-    half* xs = reinterpret_cast<half*>(smem);  // (K): the row of x, normalised when ln_w is given
+    half* xs = reinterpret_cast<half*>(smem);  // (M, K): the rows of x, normalised when ln_w is given
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int rounds = (K + R * 256 - 1) / (R * 256), first = blockIdx.x * 8 + warp, stride = gridDim.x * 8;
     const int Q = first < N ? (N - first + stride - 1) / stride * rounds : 0;  // rounds of this warp
@@ -410,71 +397,99 @@ __global__ void __launch_bounds__(256, R == 4 ? 4 : 2) matmul_gemv(
     if (ln_w && threadIdx.x * 8 < K) { gw = load16(ln_w + threadIdx.x * 8); gb = load16(ln_b + threadIdx.x * 8); }
     wait_for_inputs();  // in a graph the first weights (and the layernorm's) are on their way while the kernel before finishes
 
-    if (!ln_w) {  // prologue: the block stages x (K) in shared memory while the weights are on their way
-        for (int i = threadIdx.x * 8; i < K; i += 256 * 8) store16(xs + i, load16(x + i));
-    } else {  // ... normalised: K <= 2048, so each thread owns one 16-byte chunk of the row, loaded at once
-        __shared__ float red[8];
-        auto block_total = [&](float v) {  // the 8 warps' sums, added in the same order by every thread
-            v = warp_sum(v);
-            if (lane == 0) red[warp] = v;
-            __syncthreads();
-            float total = 0.f;
-            for (int w8 = 0; w8 < 8; w8++) total += red[w8];
-            __syncthreads();  // red is reused by the next call
-            return total;
-        };
+    if (!ln_w) {  // prologue: the block stages x (M, K) in shared memory while the weights are on their way
+        for (int i = threadIdx.x * 8; i < M * K; i += 256 * 8) store16(xs + i, load16(x + i));
+    } else {  // ... normalised: K <= 2048, so each thread owns one 16-byte chunk of each row, all loaded at once
+        __shared__ float red[8][MR];
         const int k = threadIdx.x * 8;
         const bool mine = k < K;
-        float s = 0.f;
-        if (mine) {  // each thread re-reads only its own chunk: no barrier needed
-            uint4 v = load16(x + k);
-            store16(xs + k, v);
-            const half* e = reinterpret_cast<const half*>(&v);
+        float s[MR];
 #pragma unroll
-            for (int i = 0; i < 8; i++) s += __half2float(e[i]);
-        }
-        const float mean = block_total(s) / K;
-        s = 0.f;  // then the centred sum of squares
-        if (mine) {
-            uint4 v = load16(xs + k);
-            const half* e = reinterpret_cast<const half*>(&v);
+        for (int m = 0; m < MR; m++) {
+            s[m] = 0.f;
+            if (m < M && mine) {  // each thread re-reads only its own chunks: no barrier needed
+                uint4 v = load16(x + (long)m * K + k);
+                store16(xs + m * K + k, v);
+                const half* e = reinterpret_cast<const half*>(&v);
 #pragma unroll
-            for (int i = 0; i < 8; i++) s += (__half2float(e[i]) - mean) * (__half2float(e[i]) - mean);
+                for (int i = 0; i < 8; i++) s[m] += __half2float(e[i]);
+            }
         }
-        const float rstd = rsqrtf(block_total(s) / K + eps);
-        if (mine) {
-            uint4 v = load16(xs + k), out;
+        float mean[MR], rstd[MR];
+        for (int pass = 0; pass < 2; pass++) {  // pass 0: the mean; pass 1: the centred sum of squares
+#pragma unroll
+            for (int m = 0; m < MR; m++) {
+                float v = warp_sum(s[m]);
+                if (lane == 0) red[warp][m] = v;
+            }
+            __syncthreads();
+#pragma unroll
+            for (int m = 0; m < MR; m++) {
+                float total = 0.f;
+                for (int w8 = 0; w8 < 8; w8++) total += red[w8][m];
+                if (pass == 0) mean[m] = total / K;
+                else rstd[m] = rsqrtf(total / K + eps);
+            }
+            __syncthreads();  // red is reused by pass 1
+#pragma unroll
+            for (int m = 0; m < MR; m++) {
+                s[m] = 0.f;
+                if (pass == 0 && m < M && mine) {
+                    uint4 v = load16(xs + m * K + k);
+                    const half* e = reinterpret_cast<const half*>(&v);
+#pragma unroll
+                    for (int i = 0; i < 8; i++) s[m] += (__half2float(e[i]) - mean[m]) * (__half2float(e[i]) - mean[m]);
+                }
+            }
+        }
+#pragma unroll
+        for (int m = 0; m < MR; m++) {
+            if (m >= M || !mine) continue;
+            uint4 v = load16(xs + m * K + k), out;
             const half *e = reinterpret_cast<const half*>(&v), *ge = reinterpret_cast<const half*>(&gw),
                        *be = reinterpret_cast<const half*>(&gb);
             half* oe = reinterpret_cast<half*>(&out);
 #pragma unroll
             for (int i = 0; i < 8; i++)  // rounded to fp16, as the layernorm kernel writes it
-                oe[i] = __float2half_rn((__half2float(e[i]) - mean) * rstd * __half2float(ge[i]) + __half2float(be[i]));
-            store16(xs + k, out);
+                oe[i] = __float2half_rn((__half2float(e[i]) - mean[m]) * rstd[m] * __half2float(ge[i]) + __half2float(be[i]));
+            store16(xs + m * K + k, out);
         }
     }
     __syncthreads();
 
-    float acc = 0.f;
+    float acc[MR] = {};
     auto consume = [&](const uint4 (&buf)[R], int q) {
         if (q >= Q) return;
 #pragma unroll
         for (int j = 0; j < R; j++) {
             int k = (q % rounds) * R * 256 + (j * 32 + lane) * 8;
             if (k >= K) break;
-            uint4 xv = load16(xs + k);
-            const half2 *wh = reinterpret_cast<const half2*>(&buf[j]), *xh = reinterpret_cast<const half2*>(&xv);
+            float wf[8];
+            const half2* wh = reinterpret_cast<const half2*>(&buf[j]);
 #pragma unroll
-            for (int i = 0; i < 4; i++) {
-                float2 wf = __half22float2(wh[i]), f = __half22float2(xh[i]);
-                acc += wf.x * f.x + wf.y * f.y;
+            for (int i = 0; i < 4; i++) { float2 f = __half22float2(wh[i]); wf[2 * i] = f.x; wf[2 * i + 1] = f.y; }
+#pragma unroll
+            for (int m = 0; m < MR; m++) {
+                if (m >= M) break;
+                uint4 xv = load16(xs + m * K + k);
+                const half2* xh = reinterpret_cast<const half2*>(&xv);
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    float2 f = __half22float2(xh[i]);
+                    acc[m] += wf[2 * i] * f.x + wf[2 * i + 1] * f.y;
+                }
             }
         }
         if (q % rounds != rounds - 1) return;
-        const float total = warp_sum(acc);  // the row is done: every lane holds its total
-        acc = 0.f;
+        float mine = 0.f;  // the row is done: lane m keeps row m's total
+#pragma unroll
+        for (int m = 0; m < MR; m++) {
+            float s = warp_sum(acc[m]);
+            if (lane == m) mine = s;
+            acc[m] = 0.f;
+        }
         const int n = first + q / rounds * stride;
-        if (lane == 0) store_y(y, n, epilogue(total, bias, residual, gelu, 0, n, N), y_f32);
+        if (lane < M) store_y(y, (long)lane * N + n, epilogue(mine, bias, residual, gelu, lane, n, N), y_f32);
     };
     for (int q = 0; q < Q; q += 2) {  // while one buffer is consumed, the other is on its way
         consume(wa, q);
@@ -493,17 +508,14 @@ __device__ __forceinline__ void mma16816(float* c, const unsigned* a, const unsi
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-// 7. matmul_skinny: the same y = epilogue(x @ w.T) for decode batches of 2 to 8 rows of x, and for the lm_head
-// of up to 8 rows (its 50257 rows stream as fast here as through matmul_gemv); from 9 rows on, matmul_tc wins.
-// Memory-bound: 2*M*N*K FLOPs over N*K*2 bytes of weights, which must stream at full bandwidth; a 64-row
-// tile would be mostly empty. A block owns 16 rows of w and uses the tensor cores with the roles swapped: w
-// is the mma's A (16 x k16), the 8 rows of x are its B. A dot product does not care in which order k is
-// summed, so each thread feeds the mma the 8 consecutive k it fetched with one 16-byte load (of w and of x,
-// the same k for both) instead of the fragment layout's scattered pairs: no shared memory on the way in, w
-// read once. The block's 4 warps take interleaved 64-wide chunks of K, each issuing the loads of 4 chunks
-// before its first mma (bytes in flight hide HBM latency), and add up their sums in shared memory. When N
-// gives too few blocks (768 x 3072), K is split across blockIdx.y too: the splits' partial sums go to
-// `partial`, and the last block of each column to arrive adds them up and runs the epilogue.
+// 7. matmul_skinny: y = epilogue(x @ w.T) for decode batches of 2-8 rows of x, and the lm_head of up to 8 rows (50257
+// rows stream as fast as in matmul_gemv); from 9 rows on, matmul_tc wins. Memory-bound: 2*M*N*K FLOPs over N*K*2 bytes
+// of weights, at full bandwidth; a 64-row tile would be mostly empty. A block owns 16 rows of w, on the tensor cores
+// with roles swapped: w is the mma's A (16 x k16), the 8 rows of x its B. Dot products ignore k's order, so each thread
+// feeds the mma the 8 consecutive k of one 16-byte load (of w and x), not the fragment layout's scattered pairs: no
+// shared memory on the way in, w read once. 4 warps take interleaved 64-wide chunks of K, each issuing 4 chunks' loads
+// before its first mma (hiding HBM latency), then sum in shared memory. When N gives too few blocks (768 x 3072), K is
+// split over blockIdx.y too: partial sums go to `partial`; the last to arrive adds them and runs the epilogue.
 extern "C" __global__ void __launch_bounds__(128) matmul_skinny(
     const half* x, const half* __restrict__ w, const half* __restrict__ bias, const half* residual, void* __restrict__ y,
     int M, int N, int K, int gelu, int y_f32, int k_per_split, float* partial, int* counters) {
@@ -584,16 +596,13 @@ extern "C" __global__ void __launch_bounds__(128) matmul_skinny(
     }
 }
 
-// Hopper's warpgroup tensor-core instruction (wgmma, sm_90a): the 128 threads of a warpgroup multiply a 64 x 16
-// tile of A by a 16 x N tile of B (N = 32, 128 or 144 here), both read straight from shared memory, into
-// 64 x N fp32 accumulators held N / 2 per thread. It is asynchronous: issue, commit, and wait for it before
-// touching the accumulators. Shared memory is described to it by a 64-bit descriptor. Our tiles are
-// "K-major with the 128-byte swizzle": each row holds 64 halves of K (128 bytes), rows come in groups of 8
-// (1024 bytes, the stride between groups), and the 16-byte chunk c of row r sits at chunk c ^ (r % 8), so
-// the 8 rows of a group spread their chunks over all the banks. The hardware applies the same XOR to the
-// address bits, which is why a tile must start 1024-byte aligned, and why stepping along K inside the 128
-// bytes is just adding 32 bytes (16 halves) to the start address. CI's nvcc builds plain sm_90, where the
-// instruction does not exist: that build traps instead (nanoinfer compiles for sm_90a).
+// Hopper's warpgroup tensor-core instruction (wgmma, sm_90a): a warpgroup's 128 threads multiply a 64 x 16 tile of A by
+// a 16 x N tile of B (N = 32, 128 or 144 here), both in shared memory, into 64 x N fp32 accumulators, N / 2 per thread;
+// asynchronous: issue, commit, wait before touching them. Shared memory is given by 64-bit descriptors. Our tiles are
+// "K-major, 128-byte swizzle": a row holds 64 halves of K (128 bytes), rows come in groups of 8 (1024 bytes apart), and
+// 16-byte chunk c of row r sits at chunk c ^ (r % 8), so a group's 8 rows spread over all banks. The hardware XORs the
+// address bits alike: hence tiles start 1024-byte aligned, and a step along K inside the 128 bytes just adds 32 bytes
+// (16 halves) to the start address. CI's plain sm_90 build lacks the instruction: it traps instead.
 __device__ __forceinline__ unsigned long long smem_desc(unsigned addr) {
     return ((addr & 0x3FFFF) >> 4) | (1ull << 16) | ((1024ull >> 4) << 32) | (1ull << 62);  // 62: 128-byte swizzle
 }
@@ -640,20 +649,17 @@ template <int N> __device__ __forceinline__ void wgmma_commit_and_wait() {  // a
 #endif
 }
 
-// 8. matmul_tc: y (M,N) = epilogue(x (M,K) @ w (N,K)^T), fp16 in and out, fp32 accumulation, on wgmma.
-// Compute-bound at prefill sizes: 2*M*N*K FLOPs over (M*K + N*K + M*N) * 2 bytes. A block of BM/64
-// warpgroups owns a BM x BN tile of y (each warpgroup 64 x BN); K goes by 64 through a STAGES-deep cp.async
-// pipeline in the swizzled layout above, so STAGES - 1 tiles are in flight while the tensor cores chew on
-// one. When the tiles fill the SMs (prefill), 3 stages let two blocks share an SM, so one computes while the
-// other waits, and the tiles are 144 wide where that takes fewer rounds of blocks (2048 x 2304: 256 tiles of
-// 144 fill the 2 x 132 block slots in one round, 288 of 128 take two). With fewer tiles than SMs a block has
-// its SM alone: 4 or 8 stages, and the loop leaves one group of wgmma running across the barrier, so the
-// tensor cores do not wait for it. Decode batches of 9-512 rows take 64-row tiles with 8 stages, and tiles
-// only 32 wide while those fill no more than two blocks per SM: more tiles, each with fewer k-steps, finish
-// sooner (as in cuBLAS); K is also split across blockIdx.z as in matmul_skinny. Each thread copies one
-// 16-byte column chunk of every (threads/8)-th row: after the swizzle it lands at the same column of each
-// of its rows, so a tile's copies are a constant stride apart and cost a few instructions each. Rows past M
-// or N and chunks past K are zero-filled (K % 8 == 0 suffices). Bias, GELU and residual add happen in fp32.
+// 8. matmul_tc: y (M,N) = epilogue(x (M,K) @ w (N,K)^T), fp16 in and out, on wgmma. Compute-bound at prefill sizes:
+// 2*M*N*K FLOPs over (M*K + N*K + M*N) * 2 bytes. A block of BM/64 warpgroups owns a BM x BN tile of y (64 x BN each);
+// K goes by 64 through a STAGES-deep cp.async pipeline in the swizzled layout above, STAGES - 1 tiles in flight while
+// the tensor cores chew on one. When the tiles fill the SMs (prefill), 3 stages let two blocks share an SM, one
+// computing while the other waits, and tiles are 144 wide where that takes fewer rounds (2048 x 2304: 256 tiles of 144
+// fill the 2 x 132 block slots at once, 288 of 128 take two). With fewer tiles than SMs a block has its SM alone: 4 or
+// 8 stages, one wgmma group left running across the barrier so the tensor cores do not wait. Decode batches of 9-512
+// rows take 64-row tiles, 8 stages, 32 wide while those fill at most two blocks per SM: more tiles of fewer k-steps
+// finish sooner (as in cuBLAS); K is split over blockIdx.z as in matmul_skinny. Each thread copies one 16-byte column
+// chunk of every (threads/8)-th row, which the swizzle lands at the same column of each of its rows: a constant stride
+// apart, few instructions each. Rows past M, N and chunks past K are zero-filled (K % 8 == 0 suffices).
 template <int BM, int BN, int STAGES>
 __global__ void __launch_bounds__(BM * 2, 256 / BM) matmul_tc(
     const half* x, const half* __restrict__ w, const half* __restrict__ bias, const half* residual, void* __restrict__ y,
@@ -689,8 +695,7 @@ __global__ void __launch_bounds__(BM * 2, 256 / BM) matmul_tc(
         }
     };
 
-    // with 4 or more stages one group of wgmma stays in flight across the barrier, and the loads run LAG tiles
-    // less far ahead: the stage they refill must be one that no running wgmma still reads
+    // STAGES >= 4: one wgmma group runs across the barrier; loads run LAG tiles less ahead, sparing the stages it reads
     constexpr int LAG = STAGES >= 4 ? 1 : 0, AHEAD = STAGES - 1 - LAG;
     for (int s = 0; s < AHEAD; s++)  // the first tiles' weights go out before the wait (no kernel writes them)
         if (s < ktiles) load_w(s, s);
@@ -723,9 +728,8 @@ __global__ void __launch_bounds__(BM * 2, 256 / BM) matmul_tc(
     }
     if constexpr (LAG > 0) wgmma_commit_and_wait<0>();  // (an empty group) the last LAG groups too
 
-    // The tile of y goes through shared memory (the stages are free now); each thread then walks 16-byte runs
-    // along its rows, so global stores and split-K's partial sums are coalesced rather than the accumulators'
-    // scattered pairs, and the epilogue is a loop rather than 64 unrolled copies (a far smaller kernel).
+    // The tile of y goes through shared memory (the stages are free now); each thread walks 16-byte runs along its
+    // rows: coalesced stores and split-K sums, not scattered pairs, and an epilogue loop, not 64 unrolled copies.
     constexpr int TLD = BN + 8;  // row pitch (floats): the float2 writes miss no bank
     constexpr int RUNS = BM * BN / 4 / THREADS, IN_FLIGHT = RUNS < 8 ? RUNS : 8;  // float4 runs per thread
     static_assert(BM * TLD * 4 <= STAGES * STAGE_BYTES, "the tile of y fits in the pipeline's stages");
@@ -803,12 +807,10 @@ __device__ __forceinline__ unsigned pack_half2(float lo, float hi) {
     return *reinterpret_cast<unsigned*>(&h);
 }
 
-// 9. attention_prefill: causal FlashAttention-2 for prefill and chunked-prefill query tiles (fp16, head_dim 64)
-// over the paged KV cache. A block takes 64 queries of one (sequence, head), 4 warps x 16 queries, and streams
-// the sequence's keys and values 64 at a time through shared memory (cp.async, double-buffered, rows gathered
-// through the block table). S = Q K^T and O += P V run on the tensor cores; each query keeps a running max and
-// sum (online softmax), so the score matrix never leaves the registers. Compute-bound for long prompts: 4 * 64
-// FLOPs per (query, visible key) per head; bytes: Q and O once, K and V once per query tile (mostly from L2).
+// 9. attention_prefill: causal FlashAttention-2 (fp16, head_dim 64) for (chunked) prefill query tiles over the paged KV
+// cache. A block: 64 queries of one (sequence, head), 4 warps x 16; K, V stream by 64 rows via shared memory (cp.async,
+// 2 buffers, by block table). S = QK^T, O += PV on tensor cores; online softmax keeps S in registers. Compute-bound
+// (long prompts): 4*64 FLOPs per (query, visible key, head); Q, O once, K, V once per query tile (mostly L2).
 extern "C" __global__ void __launch_bounds__(128) attention_prefill(
     const half* __restrict__ q, int q_stride, const half* __restrict__ k_cache, const half* __restrict__ v_cache,
     const int* block_tables, int max_blocks, int block_size, const int* cu_seqlens_q, const int* context_lens,
@@ -928,11 +930,10 @@ extern "C" __global__ void __launch_bounds__(128) attention_prefill(
 }
 
 // 10. sample_tokens: one token per row of fp32 logits (R, V), as sample_row in nanoinfer.py defines it (greedy;
-// temperature; top-k and top-p as thresholds on p = exp((logit - max) / temperature); a counter-based
-// splitmix64 uniform; the first index whose running sum of kept p exceeds u * kept mass). One block per row,
-// so only R token ids leave the GPU, never the logits. No sort: for p >= 0 the float bit pattern orders like
-// the value, so a binary search over bit patterns (~30 passes over the V values of p, cached in shared
-// memory) finds the exact k-th largest p and top-p threshold. Reads 4*V bytes once per row; fp64 masses.
+// temperature; top-k, top-p as thresholds on p = exp((logit - max) / temperature); a counter-based splitmix64 uniform
+// u; the first index whose running sum of kept p exceeds u * kept mass). A block per row: only R token ids leave the
+// GPU. No sort: for p >= 0 float bits order like values, so a binary search over bit patterns (~30 passes over p,
+// cached in shared memory) finds the exact k-th largest p and top-p threshold. Reads 4*V bytes per row; fp64 masses.
 __device__ double block_sum(double v, double* scratch) {
     for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(FULL_MASK, v, off);
     __syncthreads();  // scratch may still be in use by the previous call
@@ -1052,13 +1053,11 @@ extern "C" __global__ void __launch_bounds__(1024, 1) sample_tokens(
 }
 
 // ---------------------------------------------------------------------------------------------
-// CUDA-graph helpers: the two small kernels that let a captured decode step run again without the host.
-// 11. decode_advance: a CUDA-graph decode step's last kernel, so that the next step can start with no host in
-// between (multi-step decoding): each row's sampled token is kept in a ring of history rows (row substep %
-// ring, so one run's rows can be read while the next run writes its own). A live row then moves on: its
-// token becomes its next input, its position and context length grow by one, its new KV slot is looked up in
-// its block table (the engine reserved those blocks) and its sampling counter steps, unless that was the last
-// token it may take (`remaining`): then it becomes padding (slot -1), as rows past the batch are. Tiny: one
+// CUDA-graph helpers. 11. decode_advance: a graph decode step's last kernel, so the next step needs no host (multi-step
+// decoding). Each row's sampled token goes to a ring of history rows (row substep % ring: one run's rows can be read
+// while the next writes). A live row moves on: its token becomes its next input, position and context length grow by
+// one, its new KV slot comes from its block table (blocks the engine reserved), its sampling counter steps; but after
+// its last allowed token (`remaining`) it becomes padding (slot -1). Tiny: a thread per row, 8 ints.
 // thread per row, 8 ints each.
 extern "C" __global__ void decode_advance(const int* tokens, int* input_ids, int* positions, int* context_lens,
                                           int* slot_mapping, int* step, int* remaining, const int* block_tables,
