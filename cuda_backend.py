@@ -1,11 +1,9 @@
-"""
-The CUDA backend: every speed trick of nanoinfer behind one door, imported only for device="cuda". A first reading
+"""The CUDA backend: every speed trick of nanoinfer behind one door, imported only for device="cuda". A first reading
 can skip it: nanoinfer.py's numpy op set defines what each op computes.
 
 1. Compiling kernels.cu, and launching its kernels (in a CUDA graph, as dependent launches).
 2. CudaBackend, the op set as kernels; plan_matmul and plan_attention pick a kernel, tile and split for each shape.
-3. GraphRunner, the engine's runner: decode steps replayed from CUDA graphs, up to 16 per run, the next run launched
-   before the host reads this one's tokens; every other step runs eagerly, op by op.
+3. GraphRunner: decode steps replayed from CUDA graphs, 16 per run, the next launched before this one's tokens are read.
 """
 import ctypes
 import functools
@@ -41,11 +39,10 @@ def find_gpu():
 # -----------------------------------------------------------------------------
 # 1. compiling and launching kernels.cu
 
-
 KERNELS_CU = Path(__file__).with_name("kernels.cu")
 TC_TILES = ((128, 128, 3), (128, 144, 3), (128, 128, 4), (64, 128, 3), (64, 128, 8), (64, 32, 8))  # BM, BN, stages
-TEMPLATES = ([f"matmul_tc<{bm},{bn},{s}>" for bm, bn, s in TC_TILES] + ["matmul_gemv<4>", "matmul_gemv<8>"] +
-             [f"{k}<{t}>" for t in ("float", "half") for k in ("layernorm", "embed", "cache_write", "attention_decode")])
+TEMPLATES = [f"matmul_tc<{bm},{bn},{s}>" for bm, bn, s in TC_TILES] + ["matmul_gemv<4>", "matmul_gemv<8>"] + [
+    f"{k}<{t}>" for t in ("float", "half") for k in ("layernorm", "embed", "cache_write", "attention_decode")]
 PLAIN = ["matmul_f32", "matmul_skinny", "attention_prefill", "sample_tokens", "decode_advance", "take_rows"]
 GEMV_SMEM = 224 * 1024  # matmul_gemv keeps x in shared memory: K * 2 bytes at most
 SAMPLE_SMEM = 204 * 1024  # sample_tokens caches a row's p in shared memory up to V = 52224
@@ -93,10 +90,8 @@ def _libcuda():
 
 
 def launch_dependent(kernel, grid, block, args, shared_mem):
-    """Launch as a programmatic dependent launch: the kernel may start while the one before it is still running,
-    load its weights, and wait for that kernel's outputs at griddepcontrol.wait (kernels.cu, wait_for_inputs).
-    CuPy cannot ask for that, so the driver's cuLaunchKernelEx is called through ctypes, with each argument
-    passed as CuPy would pass it."""
+    """A programmatic dependent launch: the kernel may start (load its weights) while the one before still runs, and
+    wait for its outputs at griddepcontrol.wait (kernels.cu). CuPy cannot ask for one: cuLaunchKernelEx via ctypes."""
     values = [ctypes.c_void_p(a.data.ptr) if isinstance(a, cp.ndarray) else  # an array: its pointer
               ctypes.create_string_buffer(a.tobytes(), a.nbytes) if isinstance(a, np.generic) else  # its bytes
               ctypes.c_int64(a) for a in args]  # a Python int (0: a null pointer) as a 64-bit integer
@@ -110,7 +105,6 @@ def launch_dependent(kernel, grid, block, args, shared_mem):
 
 # -----------------------------------------------------------------------------
 # 2. the op set as kernels, and the plans that pick a kernel for each shape
-
 
 SPLITK_SCRATCH = 1 << 22  # floats of split-K partial sums (16 MB), enough for every GPT-2 decode shape
 GEMV_LIGHT = 8 << 20  # matrices up to this many bytes take matmul_gemv<4>: room on the SM for the next kernel
@@ -140,9 +134,8 @@ def split_k(blocks, per_sm, K, most, MN, num_sms):
 
 
 def plan_matmul(M, N, K, ln, dtype, num_sms):
-    """Which kernel computes y = epilogue(layernorm(x) @ w.T) for x (M, K) and w (N, K), with what tiles and split.
-    ln: a layernorm in front wants fusing. Decode is memory-bound (stream w once, keep every SM busy); prefill is
-    compute-bound (big tensor-core tiles, few rounds of blocks)."""
+    """Kernel, tiles and split for y = epilogue(layernorm(x) @ w.T), x (M, K), w (N, K); ln: fuse the layernorm.
+    Decode is memory-bound (stream w once, keep every SM busy); prefill compute-bound (big tiles, few rounds)."""
     if np.dtype(dtype) == np.float32:  # the exact path: plain fp32 FMAs, 64 x 64 tiles
         return MatmulPlan("matmul_f32", (cdiv(N, 64), cdiv(M, 64), 1), 256)
     if M == 1 and K * 2 <= GEMV_SMEM and N <= 16384 and (not ln or K <= 2048):
@@ -153,11 +146,10 @@ def plan_matmul(M, N, K, ln, dtype, num_sms):
     if M <= SKINNY_MAX_M:  # small decode batches: 16 rows of w per block through the tensor cores, K split >= 16 ways
         splits, k_per_split = split_k(cdiv(N, 16), 2, K, cdiv(K, 64) // 16, M * N, num_sms)
         return MatmulPlan("matmul_skinny", (cdiv(N, 16), splits, 1), 128, 0, splits, k_per_split)
-    # matmul_tc (wgmma). Prefill, when 128-row tiles fill the SMs: 3 stages, two blocks per SM, 144-wide tiles where
+    # matmul_tc (wgmma). Prefill whose 128-row tiles fill the SMs: 3 stages, two blocks per SM, 144-wide tiles where
     # they take fewer rounds of blocks (a round costs about the tile width). Fewer tiles than SMs: a block has its SM
-    # alone, so more stages; 128-row tiles while the 64-row ones would fill the SMs. Decode batches of 9-512 rows:
-    # 64 x 32 tiles while they make no more than two blocks per SM (more blocks, each with fewer k-steps to do one
-    # after another), else 64 x 128, 8 stages, and K split in >= 12 tiles of 64 (partial sums go as float4s).
+    # alone, so more stages; 128-row tiles while 64-row ones would fill the SMs. Decode batches of 9-512 rows: 64 x 32
+    # tiles while <= 2 blocks per SM (more blocks, fewer k-steps each), else 64 x 128, 8 stages, K split >= 12 ways.
     gn, bn, per_sm = cdiv(N, 128), 128, 1
     if M > 64 and cdiv(M, 128) * gn >= num_sms:
         bm, stages = 128, 3
@@ -176,10 +168,9 @@ def plan_matmul(M, N, K, ln, dtype, num_sms):
 
 
 def plan_attention(cu_seqlens_q, context_lens, tensor_cores):
-    """Split a step's queries between the attention kernels, with numpy (no per-token Python loops): every query of
-    a decoding sequence (or of any sequence in fp32) is one row for attention_decode; a sequence with
+    """Split a step's queries between the attention kernels, in numpy (no per-token loops): an fp16 sequence with
     PREFILL_MIN_Q or more queries is cut into 64-query tiles for attention_prefill, most keys first (so the longest
-    tiles do not finish last). Returns {name: int array}."""
+    tiles do not finish last); every other query is a row for attention_decode. Returns {name: int array}."""
     cu, ctx = np.asarray(cu_seqlens_q, np.int64), np.asarray(context_lens, np.int64)
     n_q = np.diff(cu)
     tiled = n_q >= PREFILL_MIN_Q if tensor_cores else np.zeros(len(n_q), bool)
@@ -203,9 +194,8 @@ def device_batch(**fields):
 
 
 class CudaBackend:
-    """The numpy backend's ops as hand-written kernels. Arrays are CuPy arrays; kernels get bare pointers, so each op
-    makes its inputs contiguous (or row-strided views with contiguous heads, for q/k/v in the qkv output) and passes
-    every scalar as np.int32 / np.float32 (a Python float would arrive as a double)."""
+    """The numpy backend's ops as hand-written kernels on CuPy arrays. Kernels get bare pointers, so each op makes its
+    inputs contiguous (q, k, v: see _heads) and passes scalars as np.int32 / np.float32 (a Python float is a double)."""
     name = "cuda"
 
     def __init__(self, dtype=np.float16):
@@ -228,8 +218,7 @@ class CudaBackend:
         self._partial = cp.empty(SPLITK_SCRATCH, np.float32)  # split-K partial sums
 
     def launch(self, name, grid, block, args, shared_mem=0):
-        """Launch kernels.cu's kernel `name` on the current stream; inside capture() with pdl on, as a dependent
-        launch (eager steps keep CuPy's launcher, which costs less host time)."""
+        """Launch `name` on the current stream: in capture() with pdl on as a dependent launch, else through CuPy."""
         if self._dependent:
             return launch_dependent(self.k[name], grid, block, args, shared_mem)
         self.k[name](grid, block, args, shared_mem=shared_mem)
@@ -264,16 +253,14 @@ class CudaBackend:
         return cp.cuda.runtime.memGetInfo()  # (free, total) bytes
 
     def _contiguous(self, a, dtype=None):
-        """a as a C-contiguous, 16-byte-aligned cupy array of `dtype` (default: the backend's), without a copy or
-        even a cp.asarray call (a microsecond or two of host time) when it already is one."""
+        """a as a C-contiguous, 16-byte-aligned array of `dtype` (default: ours), untouched if it is one already."""
         dtype = self.dtype if dtype is None else dtype
         if type(a) is not cp.ndarray or a.dtype != dtype:
             a = cp.asarray(a, dtype=dtype)
         return a if a.flags.c_contiguous and a.data.ptr % 16 == 0 else a.copy()
 
     def _heads(self, a):
-        """(a, its token stride in elements) for a (T, H, D) array whose heads are contiguous within a token
-        (q, k, v as views into the qkv matmul output need no copy); anything else is copied."""
+        """(a, its token stride) for a (T, H, D) array, copied unless each token's heads are contiguous (qkv views)."""
         a = cp.asarray(a, dtype=self.dtype)
         D, isz = a.shape[2], a.itemsize
         if a.strides[1:] != (D * isz, isz) or a.strides[0] % 16 or a.data.ptr % 16:
@@ -281,8 +268,7 @@ class CudaBackend:
         return a, a.strides[0] // isz
 
     def to_device(self, batch):
-        """The batch's int32 arrays and its attention plan on the GPU, in one host-to-device copy (each array a
-        16-byte-aligned view of it): a copy per array would cost an eager step more host time than its kernels."""
+        """The batch's int32 arrays and attention plan on the GPU in one copy (a copy each costs more host time)."""
         fields = {f: getattr(batch, f) for f in ("input_ids", "positions", "slot_mapping", "cu_seqlens_q",
                                                  "context_lens", "block_tables", "logits_idx")}
         fields.update(plan_attention(batch.cu_seqlens_q, batch.context_lens, self.dtype == np.float16))
@@ -352,15 +338,15 @@ class CudaBackend:
         (k, ks), (v, vs) = self._heads(k), self._heads(v)
         T, H, D = k.shape
         if T:
-            self.launch(f"cache_write<{self.t}>", (T,), (128,), (k, v, np.int32(ks), np.int32(vs), k_cache, v_cache,
-                                                                 self._contiguous(slot_mapping, np.int32), np.int32(H * D)))
+            self.launch(f"cache_write<{self.t}>", (T,), (128,),
+                        (k, v, np.int32(ks), np.int32(vs), k_cache, v_cache, self._contiguous(slot_mapping, np.int32),
+                         np.int32(H * D)))
 
     def attention(self, q, k, v, k_cache, v_cache, batch, scale):
         T, H, D = q.shape
         if D != 64:
             raise NotImplementedError(f"attention: the kernels are written for head_dim 64 (every GPT-2), got {D}")
-        # decode (one query per sequence, so no other query needs this step's keys from the cache): the
-        # attention kernel writes the cache itself; otherwise a cache_write kernel goes first
+        # decode (no query needs another's new keys from the cache): the attention kernel writes them; else cache_write
         new_kv = (0, 0, np.int32(0), 0)
         if self.fuse and batch.n_tiles == 0 and batch.n_rows == len(batch.context_lens):
             (k, ks), (v, vs) = self._heads(k), self._heads(v)
@@ -378,8 +364,7 @@ class CudaBackend:
                                                                         batch.tile_seq, batch.tile_q0, np.int32(H),
                                                                         scale_log2, out))
         if batch.n_rows:
-            # flash-decoding: split the context until there are ~4 blocks per SM, >= 32 keys per split, and at most
-            # 32 splits (the merge holds their log-sum-exps in shared memory)
+            # flash-decoding: ~4 blocks per SM, >= 32 keys and <= 32 splits (the merge keeps their LSEs in smem)
             nsplit = max(1, min(cdiv(4 * self.num_sms, batch.n_rows * H), cdiv(batch.max_row_len, 32), 32))
             assert nsplit == 1 or batch.n_rows * H <= self._counters.size
             part_o = cp.empty(batch.n_rows * H * nsplit * 64 if nsplit > 1 else 0, np.float32)
@@ -410,7 +395,6 @@ class CudaBackend:
 # -----------------------------------------------------------------------------
 # 3. the graph runner: decode steps replayed from CUDA graphs, many per run
 
-
 GRAPH_BUCKETS = (1, 2, 4, 8) + tuple(range(16, 257, 16))  # decode batch sizes with a graph each: pads <= 15 rows
 MAX_STEPS_PER_RUN = 16  # decode steps one graph run may take (multi-step decoding), the size of the token ring
 ADMIT_GROUP = 8  # a full engine lets waiting requests in once 1/8 of its seats are free
@@ -424,22 +408,19 @@ def steps_left(seqs, ahead, n_ctx):
 
 @dataclass
 class RunPlan:
-    """A graph run of `steps` decode steps; per row: the sampling counter of its first step, the steps it may take
-    (after the last it is padding), the position its first step computes, that token's cache slot (-1: padding)
-    and its block table."""
+    """A graph run of `steps` decode steps, and each row's inputs to its first step."""
     steps: int
-    step: np.ndarray
-    remaining: np.ndarray
-    positions: np.ndarray
-    slot_mapping: np.ndarray
+    step: np.ndarray  # the sampling counter
+    remaining: np.ndarray  # the steps it may take (after the last it is padding)
+    positions: np.ndarray  # the position it computes
+    slot_mapping: np.ndarray  # that token's cache slot (-1: padding)
     block_tables: np.ndarray
 
 
 def plan_run(kv, seqs, ahead, max_steps, n_ctx):
-    """A run of decode steps that starts `ahead` steps past the host's tokens, with the KV blocks of all its steps
-    reserved here: up to max_steps, no more than the longest sequence may still take, halved until the free blocks
-    cover it. None if they cannot cover even one step (the scheduler then makes room, preempting). A sequence that
-    stops early (EOS, a stop string) wastes the steps after; it never emits them."""
+    """Decode steps from `ahead` past the host's tokens, their KV blocks reserved here: max_steps at most, no more than
+    the longest sequence may still take, halved until the free blocks cover them (None: not one step; the scheduler
+    then preempts). A sequence that stops early (EOS, a stop string) wastes the steps after; it never emits them."""
     left = steps_left(seqs, ahead, n_ctx)
     first = [len(s.token_ids) - 1 + ahead for s in seqs]  # the position each one's first step computes
     steps = int(min(max_steps, left.max(initial=0)))
@@ -459,8 +440,7 @@ def plan_run(kv, seqs, ahead, max_steps, n_ctx):
 
 @dataclass
 class GraphRun:
-    """Launched decode steps: the graph, its sequences (one per row), how many steps, where each row starts, the
-    token ring row of the first step, and an event recorded after the last."""
+    """Launched decode steps: their graph, its rows' sequences, and `done`, an event recorded after the last step."""
     graph: "DecodeGraph"
     seqs: list
     steps: int
@@ -476,13 +456,12 @@ class GraphRun:
 
 
 class DecodeGraph:
-    """A decode step of up to B sequences replayed from one CUDA graph: its ~65 kernels cost one launch. A graph
-    freezes the pointers and scalars it was captured with, so the step's inputs live in one fixed buffer (one
-    host-to-device copy), attention is planned for the longest context (the kernels stop at each row's length),
-    unused rows are padding (cache slot -1, never written), and the activations come from a pool only the graphs
-    use (on one stream they never run at once), so their addresses stay theirs. The step ends by turning its
-    sampled tokens into the next step's inputs on the GPU (decode_advance), each step's tokens kept in a ring of
-    rows, so it can be replayed many times in a row: the host's work and its wait are paid once per run."""
+    """A decode step of up to B sequences replayed from one CUDA graph: ~65 kernels, one launch. A graph freezes the
+    pointers and scalars it was captured with, so the inputs live in one fixed buffer (one host-to-device copy),
+    attention is planned for the longest context (kernels stop at each row's length), unused rows are padding (cache
+    slot -1), and activations come from a pool only the graphs use (one stream: never two at once). The step ends by
+    making its sampled tokens the next step's inputs on the GPU (decode_advance), keeping each step's tokens in a ring,
+    so it can replay many times in a row: the host's work and its wait are paid once per run."""
     # the step's inputs, in one int32 buffer; from `step` on, rewritten by carry_on for a run that goes on
     FIELDS = ("seed", "temperature", "top_p", "top_k", "input_ids", "substep",
               "step", "remaining", "positions", "context_lens", "slot_mapping", "block_tables")
@@ -532,8 +511,7 @@ class DecodeGraph:
                    np.int32(self.B)))
 
     def start(self, input_ids, sampling, plan):
-        """Load a decode batch of n <= B sequences: each one's last token, its sampling parameters (a
-        SamplingArrays) and its rows of the run's plan. Rows past n are padding: greedy, never written."""
+        """Load n <= B sequences: last tokens, SamplingArrays, plan rows; the rest are padding (greedy, unwritten)."""
         self.n = len(input_ids)
         for name in ("temperature", "top_k", "top_p", "seed"):
             self._write(name, getattr(sampling, name))
@@ -543,8 +521,7 @@ class DecodeGraph:
         self.dev_buffer.set(self.host_buffer, stream=self.stream)
 
     def carry_on(self, plan):
-        """Let the next run go on from where the launched ones stop: the GPU has each row's next input token; the
-        host rewrites the rest (blocks added since, rows that are done now padding). Stream-ordered."""
+        """Let the next run go on where the launched ones stop: the GPU has input tokens; the host writes the rest."""
         self._write_rows(plan)
         self.dev_buffer[self.carry_from:].set(self.host_buffer[self.carry_from:], stream=self.stream)
 
@@ -560,13 +537,6 @@ class DecodeGraph:
         tables[:] = 0
         tables[:self.n, :plan.block_tables.shape[1]] = plan.block_tables
 
-    def take_inputs(self, backend, other, rows):
-        """Each row's input token is graph `other`'s row rows[i], gathered on the GPU where `other`'s launched run
-        leaves it (one stream: after it), so the host need not wait for it."""
-        with self.stream:
-            backend.launch("take_rows", (1,), (len(rows),), (other.dev["input_ids"], cp.asarray(rows, np.int32),
-                                                             self.dev["input_ids"], np.int32(len(rows))))
-
     def launch(self, seqs, plan):
         """Replay the step plan.steps times for these sequences (its rows)."""
         first = self.ring_row
@@ -580,12 +550,10 @@ class DecodeGraph:
 
 
 class GraphRunner:
-    """The engine's runner on CUDA. Decode batches (every sequence computes its last token and samples, none wants
-    log-probabilities) are replayed from CUDA graphs in runs of up to MAX_STEPS_PER_RUN steps; before it waits for a
-    run's tokens, the runner launches the next run, which goes on from where that one stops, so the GPU computes
-    while the host turns tokens into text. Every other batch (prefill, logprobs) runs eagerly, op by op. Everything
-    runs on one stream, so a launched run always finishes before any later work reuses its blocks."""
-
+    """The engine's runner on CUDA. Decode batches (each sequence computes its last token and samples, none wants
+    logprobs) replay CUDA graphs in runs of up to MAX_STEPS_PER_RUN steps; before it waits for a run's tokens, it
+    launches the next, which goes on where that one stops, so the GPU computes while the host turns tokens into text.
+    Other batches (prefill, logprobs) run eagerly. One stream: a run ends before later work reuses its blocks."""
     def __init__(self, model, kv, scheduler, steps_per_run=MAX_STEPS_PER_RUN):
         self.model, self.kv, self.scheduler, self.n_ctx = model, kv, scheduler, model.config.n_ctx
         self.steps_per_run = min(steps_per_run, MAX_STEPS_PER_RUN)
@@ -599,10 +567,9 @@ class GraphRunner:
         self.graphs = {B: DecodeGraph(model, kv, B, self.stream, pool) for B in reversed(buckets)}
 
     def admission_group(self):
-        """How many free seats let waiting requests in this step (None: none come in). Each admission is an eager
-        step (the new prompts and every running decode, kernels launched one by one from Python) that ends the runs
-        of graph steps, so a full engine lets them in by groups (TGI's waiting_served_ratio is the same trade), and
-        none while a launched run still computes running sequences: the next step reads it."""
+        """How many free seats let waiting requests in this step (None: none). An admission is an eager step (kernels
+        launched one by one from Python) that ends the runs of graph steps, so a full engine admits by groups (TGI's
+        waiting_served_ratio is the same trade), and none while a launched run computes running sequences."""
         if self.in_flight and any(not s.finish_reason for s in self.in_flight.seqs):
             return None
         return self._group()
@@ -625,8 +592,7 @@ class GraphRunner:
         return run.tokens()[:, [row_of[s.seq_id] for s in seqs]], None
 
     def _graph_run(self, batch, seqs):
-        """The run that computes this batch: the one in flight if it does, else one launched now; None if this batch
-        is not a graph's (a prefill, a request for logprobs, or more rows than the largest graph)."""
+        """The run for this batch: in flight, or launched now; None if no graph's (prefill, logprobs, too many rows)."""
         if len(batch.input_ids) != len(seqs) or len(seqs) > max(self.graphs) or \
                 any(s.logprobs is not None for s in seqs):
             return None
@@ -641,10 +607,9 @@ class GraphRunner:
         return graph.launch(seqs, plan)
 
     def _next_run(self, run, seqs):
-        """The run after `run`, launched now, if it can go on without the scheduler: multi-step decoding is on, this
-        step reads every unfinished row of `run`, no waiting request is to come in, and some row has steps left. The
-        rows that go on keep their graph (the others become padding) or, when they fit a smaller one, move there
-        with their input tokens gathered on the GPU. Else None."""
+        """The run after `run`, launched now, if it can go on without the scheduler (else None): multi-step is on, this
+        step reads every unfinished row of `run`, no request is to come in, and some row has steps left. The rows that
+        go on keep their graph (the rest pad) or move to a smaller one that fits, input tokens gathered on the GPU."""
         unfinished = sum(not s.finish_reason for s in run.seqs)
         if self.steps_per_run == 1 or len(seqs) != unfinished or self.scheduler.wants_admission(self._group()):
             return None
@@ -660,7 +625,9 @@ class GraphRunner:
             graph.carry_on(plan)
         else:
             graph.start(np.zeros(len(seqs), np.int32), sampling_arrays(seqs), plan)
-            graph.take_inputs(self.model.backend, run.graph, live)
+            with self.stream:  # row i's input token is the run's row live[i], gathered on the GPU: no wait for it
+                src, dst, n = run.graph.dev["input_ids"], graph.dev["input_ids"], len(live)
+                self.model.backend.launch("take_rows", (1,), (n,), (src, cp.asarray(live, np.int32), dst, np.int32(n)))
         return graph.launch(seqs, plan)
 
     def wait(self):

@@ -1,19 +1,17 @@
-"""
-nanoinfer: GPT-2 inference, fast, in a few files. This one is the whole engine on numpy, readable alone.
+"""nanoinfer: GPT-2 inference, fast, in a few files. This one is the whole engine on numpy, readable alone.
 
-Read top to bottom: config and weights, the tokenizer, the op set (numpy: the definition of every kernel), the
-sampler, the GPT-2 forward over one flat batch of tokens, and the LLM engine, whose step() is schedule -> batch ->
-run -> postprocess over the paged KV cache (paged_kv.py) and the continuous-batching scheduler (scheduler.py).
-On a GPU, cuda_backend.py supplies the same op set as kernels (kernels.cu) and a runner that replays decode steps
-from CUDA graphs: every speed trick is behind that one door.
+Read top to bottom: config and weights, the tokenizer, the op set (numpy: the definition of every kernel), the sampler,
+GPT-2's forward over one flat batch of tokens, and the LLM engine: step() is schedule -> batch -> run -> postprocess
+over the paged KV cache (paged_kv.py) and the continuous-batching scheduler (scheduler.py). On a GPU, cuda_backend.py
+supplies the op set as kernels (kernels.cu) and a runner replaying decode steps from CUDA graphs: every speed trick.
 """
 import itertools
 import json
 import math
 import sys
+from collections import namedtuple
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple
 
 import numpy as np
 
@@ -23,13 +21,9 @@ from scheduler import Scheduler, Sequence
 # -----------------------------------------------------------------------------
 # config and weights
 
-HF_REPOS = {
-    "gpt2": "openai-community/gpt2",
-    "gpt2-medium": "openai-community/gpt2-medium",
-    "gpt2-large": "openai-community/gpt2-large",
-    "gpt2-xl": "openai-community/gpt2-xl",
-    "distilgpt2": "distilbert/distilgpt2",
-}
+HF_REPOS = {"gpt2": "openai-community/gpt2", "gpt2-medium": "openai-community/gpt2-medium",
+            "gpt2-large": "openai-community/gpt2-large", "gpt2-xl": "openai-community/gpt2-xl",
+            "distilgpt2": "distilbert/distilgpt2"}
 MODEL_FILES = ("config.json", "model.safetensors", "vocab.json", "merges.txt")
 
 
@@ -86,7 +80,7 @@ def load_config(path):
     if cfg.get("model_type") != "gpt2":
         raise ValueError(f"{f} says model_type={cfg.get('model_type')!r}: nanoinfer runs GPT-2 models only")
     if cfg.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
-        raise ValueError(f"{f}: activation_function={cfg['activation_function']!r}; nanoinfer implements GPT-2's tanh GELU")
+        raise ValueError(f"{f}: activation_function={cfg['activation_function']!r}; nanoinfer has GPT-2's tanh GELU")
     return GPTConfig(n_layer=cfg["n_layer"], n_head=cfg["n_head"], n_embd=cfg["n_embd"],
                      n_ctx=cfg.get("n_positions", cfg.get("n_ctx", 1024)), vocab_size=cfg["vocab_size"],
                      eps=cfg.get("layer_norm_epsilon", 1e-5))
@@ -181,8 +175,7 @@ def gelu_tanh(x):
 
 
 def uniform(seed, step):
-    """A counter-based random number in [0, 1) per (seed, step): splitmix64, the same bits on CPU and GPU.
-    A request's samples depend only on its own seed and token index, never on what else is in the batch."""
+    """A counter-based random number in [0, 1) per (seed, step), splitmix64 on CPU and GPU: samples ignore the batch."""
     seed, step = np.asarray(seed, np.uint64), np.asarray(step, np.uint64)
     z = seed + (step + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15)
     z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
@@ -235,8 +228,7 @@ class NumpyBackend:
         return (x - mean) / np.sqrt(var + eps) * w + b
 
     def matmul(self, x, w, bias=None, gelu=False, residual=None, ln=None, out_dtype=None):
-        """epilogue(layernorm(x) @ w.T): ln = (weight, bias, eps) of the layernorm in front, if any; the
-        epilogue adds the bias, applies GELU, adds the residual, in that order."""
+        """epilogue(layernorm(x) @ w.T), ln: (weight, bias, eps) or None; the epilogue: + bias, GELU, + residual."""
         if ln is not None:
             x = self.layernorm(x, *ln)
         y = x @ w.T  # (M, K) @ (K, N) -> (M, N)
@@ -254,8 +246,7 @@ class NumpyBackend:
         v_cache.reshape(-1, H, D)[slot_mapping] = v
 
     def attention(self, q, k, v, k_cache, v_cache, batch, scale):
-        """Causal attention of each sequence's queries over its cached keys, after this step's k and v
-        went into the cache (so a query sees its own token too)."""
+        """Causal attention over each sequence's cache, this step's k, v written first (a query sees its own token)."""
         self.cache_write(k, v, k_cache, v_cache, batch.slot_mapping)
         out = np.empty_like(q)  # (T, H, D)
         _, block_size, H, D = k_cache.shape
@@ -291,7 +282,7 @@ def make_backend(device, dtype):
                                "pip install cupy-cuda13x on an H100 or H200, or use device='cpu'")
         print(f"nanoinfer: no usable GPU ({why}); running on the CPU with numpy", file=sys.stderr)
     if dtype is not None and np.dtype(dtype) != np.float32:
-        raise ValueError(f"dtype={np.dtype(dtype).name} on the CPU: numpy has no fast half-precision matmul; use float32")
+        raise ValueError(f"dtype={np.dtype(dtype).name} on the CPU: numpy has no fast fp16 matmul; use float32")
     return NumpyBackend(np.float32)
 
 # -----------------------------------------------------------------------------
@@ -312,7 +303,6 @@ class Batch:
 
 class GPT:
     """GPT-2's forward pass, written once against the backend's op set."""
-
     def __init__(self, config, weights, backend):
         self.config, self.backend = config, backend
         self.w = {name: backend.asarray(a) for name, a in weights.items()}
@@ -339,8 +329,6 @@ class GPT:
         # only the rows that sample need the last layernorm and the 50257-wide lm_head (tied to the embedding)
         rows = h if d.logits_idx is None else h[d.logits_idx]  # (R, C)
         return be.matmul(rows, w["wte.weight"], ln=(w["ln_f.weight"], w["ln_f.bias"], c.eps), out_dtype=np.float32)
-
-
 
 # -----------------------------------------------------------------------------
 # sampling parameters and outputs, with the names vLLM users know
@@ -389,14 +377,8 @@ class RequestOutput:
 # -----------------------------------------------------------------------------
 # the engine: schedule -> batch -> run -> postprocess
 
-
-class SamplingArrays(NamedTuple):
-    """The sampler's per-row parameters, for the rows that sample."""
-    temperature: np.ndarray  # (R,) float32
-    top_k: np.ndarray  # (R,) int32
-    top_p: np.ndarray  # (R,) float32
-    seed: np.ndarray  # (R,) uint64
-    step: np.ndarray  # (R,) int32, the index of the token being sampled: its random number is uniform(seed, step)
+# the sampler's parameters, one per row that samples; step is the index of the token being sampled
+SamplingArrays = namedtuple("SamplingArrays", "temperature top_k top_p seed step")
 
 
 def sampling_arrays(seqs):
@@ -409,9 +391,7 @@ def sampling_arrays(seqs):
 
 
 class EagerRunner:
-    """Runs a step as it reads: the forward pass op by op, then the sampler. On the GPU, cuda_backend.GraphRunner
-    runs decode steps faster, from CUDA graphs, and hands the rest to this one."""
-
+    """Runs a step as it reads: op by op, then the sampler (cuda_backend.GraphRunner hands it all but decodes)."""
     def __init__(self, model, kv):
         self.model, self.kv = model, kv
 
@@ -432,7 +412,6 @@ class EagerRunner:
 class LLM:
     """The engine. step() is the whole loop: the scheduler picks this step's tokens, they become one flat batch, the
     runner runs the model over it and samples, and the new tokens go to their sequences."""
-
     def __init__(self, model, device="auto", dtype=None, block_size=16, max_num_seqs=256,
                  max_num_batched_tokens=16384, num_kv_tokens=None, gpu_memory_utilization=0.9, seed=0,
                  cuda_graphs=True, fused=True, num_scheduler_steps=16, dependent_launches=True):
@@ -488,8 +467,8 @@ class LLM:
         most_tokens = min(len(ids) + params.max_tokens, c.n_ctx)
         if self.kv.blocks_needed(most_tokens) > self.kv.num_blocks:
             raise ValueError(f"the request may need {most_tokens} tokens of KV cache, but the whole pool holds "
-                             f"{self.kv.num_blocks * self.kv.block_size}: lower max_tokens, or give the engine a larger "
-                             "pool (num_kv_tokens, gpu_memory_utilization)")
+                             f"{self.kv.num_blocks * self.kv.block_size}: lower max_tokens, or give the engine a "
+                             "larger pool (num_kv_tokens, gpu_memory_utilization)")
         seed = params.seed if params.seed is not None else int(self._rng.integers(2 ** 63))
         seq = Sequence(self._next_id, ids, params, seed, self.tokenizer)
         self._next_id += 1
@@ -500,8 +479,7 @@ class LLM:
         return self.scheduler.has_unfinished()
 
     def step(self):
-        """One engine step. Returns (request_id, new text, RequestOutput if it just finished else None) per request
-        that got tokens: one each, or, from a run of decode steps replayed on the GPU, up to 16."""
+        """One step: (request_id, new text, RequestOutput once finished else None) per request given tokens."""
         scheduled = self.scheduler.schedule(self.runner.admission_group())  # [(sequence, tokens to compute now)]
         if not scheduled:
             return []
@@ -528,8 +506,7 @@ class LLM:
             [seq for seq, s in zip(seqs, samples) if s]
 
     def _postprocess(self, seqs, tokens, logits):
-        """Hand each sequence its new tokens, in order, until one finishes it (EOS, max tokens, a stop string, the
-        context): then the rest are dropped and its blocks freed. An event per sequence."""
+        """Hand each sequence its tokens until one finishes it (the rest dropped, blocks freed): an event each."""
         events = []
         for row, seq in enumerate(seqs):
             for i, token in enumerate(tokens[:, row]):
@@ -541,7 +518,9 @@ class LLM:
                 if seq.finish_reason:
                     self.scheduler.finish(seq)
                     break
-            events.append((seq.seq_id, seq.new_text(), self._output(seq) if seq.finish_reason else None))
+            out = RequestOutput(seq.seq_id, seq.prompt_token_ids, seq.text, seq.output_token_ids, seq.finish_reason,
+                                seq.logprobs) if seq.finish_reason else None
+            events.append((seq.seq_id, seq.new_text(), out))
         return events
 
     @staticmethod
@@ -552,14 +531,8 @@ class LLM:
         top = np.argsort(-logp, kind="stable")[:k]
         return {"token": float(logp[token]), "top": [(int(t), float(logp[t])) for t in top]}
 
-    @staticmethod
-    def _output(seq):
-        return RequestOutput(seq.seq_id, seq.prompt_token_ids, seq.text, seq.output_token_ids,
-                             seq.finish_reason, seq.logprobs)
-
     def stream(self, prompts, params=None):
-        """Yield (prompt index, new text, RequestOutput once finished else None) as tokens are made. A refused
-        request yields its error output at once; the others carry on."""
+        """Yield (prompt index, new text, RequestOutput once finished else None); a refused request yields its error."""
         prompts, params = _as_lists(prompts, params)
         index = {}
         for i, (prompt, p) in enumerate(zip(prompts, params)):
@@ -576,8 +549,7 @@ class LLM:
         self.runner.wait()  # no GPU work outlives this call (a run launched ahead of the last tokens included)
 
     def generate(self, prompts, params=None):
-        """Run prompts to completion, continuously batched. One RequestOutput per prompt, in order. (Requests
-        queued earlier with add_request advance too; their events are step()'s to report, not generate's.)"""
+        """Run prompts to completion, continuously batched: one RequestOutput per prompt, in order."""
         outputs = {}
         for i, _, out in self.stream(prompts, params):
             if out is not None:

@@ -1,5 +1,4 @@
-"""
-The paged KV cache: PagedAttention's idea in a few dozen lines.
+"""The paged KV cache: PagedAttention's idea in a few dozen lines.
 
 Decoding reuses every earlier token's keys and values, so we keep them: per layer, one K and one V tensor
 of shape (num_blocks, block_size, n_head, head_dim). A sequence does not own a contiguous stretch of it;
@@ -15,7 +14,6 @@ import numpy as np
 
 class BlockAllocator:
     """A free list of block ids with a reference count each (a count above 1 would mean a shared prefix)."""
-
     def __init__(self, num_blocks):
         self.num_blocks = num_blocks
         self.free = list(range(num_blocks - 1, -1, -1))  # a stack: pop() hands out block 0 first
@@ -41,10 +39,8 @@ class BlockAllocator:
 
 class PagedKVCache:
     """The cache tensors of every layer, and the block tables that say where each sequence's tokens live."""
-
     def __init__(self, backend, n_layer, n_head, head_dim, num_blocks, block_size=16):
-        self.block_size = block_size
-        self.num_blocks = num_blocks
+        self.block_size, self.num_blocks = block_size, num_blocks
         self.allocator = BlockAllocator(num_blocks)
         shape = (num_blocks, block_size, n_head, head_dim)
         self.k = [backend.zeros(shape) for _ in range(n_layer)]
@@ -74,14 +70,12 @@ class PagedKVCache:
             self.allocator.release(block)
 
     def slot_mapping(self, block_tables, rows, positions):
-        """The cache slot of every token of a batch, vectorized: token t is sequence rows[t]'s token
-        positions[t], so it lives in block block_tables[rows[t], positions[t] // block_size]."""
+        """Each token's cache slot: token t, sequence rows[t]'s positions[t], is in block_tables[rows[t], pos // bs]."""
         return (block_tables[rows, positions // self.block_size] * self.block_size +
                 positions % self.block_size).astype(np.int32)
 
     def block_table_array(self, seq_ids):
-        """(S, max_blocks) int32, each row a sequence's block table padded with 0 (never read past its length);
-        a sequence that holds no blocks (finished, freed) gets a row of zeros."""
+        """(S, max_blocks) int32: each sequence's block table padded with 0 (never read); a freed one: all zeros."""
         tables = [self.block_tables.get(s, ()) for s in seq_ids]
         out = np.zeros((len(tables), max(1, max(len(t) for t in tables))), dtype=np.int32)
         for row, table in zip(out, tables):

@@ -1,5 +1,4 @@
-"""
-Generate from GPT-2 and stream it to the terminal:  python sample.py --prompt "Once upon a time"
+"""Generate from GPT-2 and stream it to the terminal:  python sample.py --prompt "Once upon a time"
 
 --prompt may repeat: the prompts run together, continuously batched. The first one streams live; each
 later one is printed as soon as the ones before it are done (usually it is finished by then too).
@@ -14,14 +13,14 @@ from nanoinfer import LLM, SamplingParams
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompt", action="append", help="a prompt (repeat for several; empty generates unconditionally)")
-    ap.add_argument("--model", default="gpt2", help="gpt2, gpt2-medium, gpt2-large, gpt2-xl, distilgpt2, or a directory")
+    ap.add_argument("--model", default="gpt2", help="gpt2, gpt2-medium, -large, -xl, distilgpt2, or a directory")
     ap.add_argument("--max-new-tokens", type=int, default=100)
     ap.add_argument("--temperature", type=float, default=0.8)
     ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--top-p", type=float, default=0.95)
     ap.add_argument("--seed", type=int, default=None, help="makes the samples reproducible")
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    ap.add_argument("--dtype", default=None, choices=["float16", "float32"], help="default: float16 on GPU, float32 on CPU")
+    ap.add_argument("--dtype", default=None, choices=["float16", "float32"], help="default: fp16 on GPU, fp32 on CPU")
     args = ap.parse_args()
     prompts = args.prompt or [""]
     try:

@@ -1,5 +1,4 @@
-"""
-Continuous batching: which sequences run in the next engine step, and how many tokens each.
+"""Continuous batching: which sequences run in the next engine step, and how many tokens each.
 
 Static batching runs a batch until its longest request is done, so the GPU idles on finished rows. Here a
 request joins when there is room and leaves the moment it finishes; every step is one flat run of tokens
@@ -8,12 +7,10 @@ mixing decodes (one token each) and chunks of prompts (prefill), so every GEMM s
 Each step, under a token budget (max_num_batched_tokens) and a sequence cap (max_num_seqs):
   1. running sequences that decode get their one token first, oldest first, so a long prompt never stalls them;
   2. running sequences still in their prompt get a chunk of it (chunked prefill);
-  3. waiting requests are admitted in arrival order while their first chunk fits, once `group` seats are free
-     (or as many as wait; group None: none this step): the runner sets it (cuda_backend lets them in by groups,
-     since there each admission ends a run of graph steps).
-When the KV pool has no block for a running sequence, the newest running sequence is preempted: its blocks
-are freed and it waits at the front of the queue to be recomputed from its tokens (prompt + output so far),
-which gives the same tokens as if it had never stopped.
+  3. waiting requests come in, in arrival order, while their first chunk fits, once `group` seats are free (or as many
+     as wait; None: none): the runner sets it (cuda_backend admits by groups: each ends a run of graph steps).
+When the KV pool has no block for a running sequence, the newest running one is preempted: its blocks are freed and it
+waits first in line, to be recomputed from its tokens (prompt + output so far): the same tokens as if never stopped.
 """
 import codecs
 from collections import deque
@@ -21,7 +18,6 @@ from collections import deque
 
 class Sequence:
     """One request: its tokens, how many of them the KV cache holds, and its text so far."""
-
     def __init__(self, seq_id, prompt_token_ids, params, seed, tokenizer):
         self.seq_id = seq_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -88,9 +84,7 @@ class Sequence:
 
 class Scheduler:
     def __init__(self, kv, max_num_seqs, max_num_batched_tokens):
-        self.kv = kv
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
+        self.kv, self.max_num_seqs, self.max_num_batched_tokens = kv, max_num_seqs, max_num_batched_tokens
         self.waiting = deque()
         self.running = []  # in admission order: the last one is the newest
         self.num_preemptions = 0
