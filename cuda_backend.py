@@ -599,8 +599,8 @@ class GraphRunner:
         run = self.in_flight
         if run and all(run.first_positions.get(s.seq_id) == len(s.token_ids) - 1 for s in seqs):
             return run
-        plan = plan_run(self.kv, seqs, 0, self.steps_per_run, self.n_ctx)  # never None: the scheduler reserved step 1
-        if plan is None:
+        plan = plan_run(self.kv, seqs, 0, self.steps_per_run, self.n_ctx)  # step 1's blocks the scheduler reserved
+        if plan is None:  # so this cannot be; if it were, the step would run eagerly
             return None
         graph = self._graph_for(len(seqs))
         graph.start(batch.input_ids, sampling_arrays(seqs), plan)

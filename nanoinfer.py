@@ -406,7 +406,7 @@ class EagerRunner:
         return tokens[None], self.model.backend.tohost(logits) if wants_logits else None
 
     def wait(self):
-        pass
+        pass  # nothing runs ahead of the host
 
 
 class LLM:
