@@ -217,6 +217,11 @@ class CudaBackend:
         self._counters = cp.zeros(4096, np.int32)  # split-K and split-context arrival counters (self-resetting)
         self._partial = cp.empty(SPLITK_SCRATCH, np.float32)  # split-K partial sums
 
+    def check_model(self, config):
+        if config.head_dim != 64 or config.n_inner % 8:
+            raise ValueError(f"the CUDA kernels are written for head_dim 64 (every GPT-2) and an MLP width that is a "
+                             f"multiple of 8; this model has {config.head_dim} and {config.n_inner}: use device='cpu'")
+
     def launch(self, name, grid, block, args, shared_mem=0):
         """Launch `name` on the current stream: in capture() with pdl on as a dependent launch, else through CuPy."""
         if self._dependent:
@@ -633,3 +638,8 @@ class GraphRunner:
     def wait(self):
         """Until the GPU has finished everything launched (a run launched ahead included)."""
         self.stream.synchronize()
+
+    def reset(self):
+        """Forget the run in flight (a failed step's): the next decode starts afresh from the host's tokens, and stream
+        order keeps its writes before any later work."""
+        self.in_flight = None

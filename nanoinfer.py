@@ -5,11 +5,15 @@ GPT-2's forward over one flat batch of tokens, and the LLM engine: step() is sch
 over the paged KV cache (paged_kv.py) and the continuous-batching scheduler (scheduler.py). On a GPU, cuda_backend.py
 supplies the op set as kernels (kernels.cu) and a runner replaying decode steps from CUDA graphs: every speed trick.
 """
+import contextlib
 import itertools
 import json
 import math
+import signal
 import sys
-from collections import namedtuple
+import threading
+import traceback
+from collections import deque, namedtuple
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,12 +37,20 @@ class GPTConfig:
     n_head: int
     n_embd: int
     n_ctx: int
-    vocab_size: int
+    vocab_size: int  # rows of the embedding; may be padded past the tokenizer's tokens (nanoGPT pads to 50304)
+    n_inner: int  # the MLP's width, 4 * n_embd in every OpenAI GPT-2
     eps: float = 1e-5
+    tie_word_embeddings: bool = True  # the lm_head is the embedding matrix; else the checkpoint has lm_head.weight
+    scale_attn_weights: bool = True  # scores / sqrt(head_dim)
+    scale_attn_by_inverse_layer_idx: bool = False  # scores / (layer index + 1) too
 
     @property
     def head_dim(self):
         return self.n_embd // self.n_head
+
+    def attention_scale(self, layer):
+        scale = 1 / math.sqrt(self.head_dim) if self.scale_attn_weights else 1.0
+        return scale / (layer + 1) if self.scale_attn_by_inverse_layer_idx else scale
 
 
 def resolve_model(model):
@@ -72,31 +84,58 @@ def _need(path, name):
 
 
 def load_config(path):
+    """GPTConfig from config.json. Every setting is checked, naming the file; one that would make transformers compute
+    something nanoinfer does not (cross-attention, another activation) is refused."""
     f = _need(path, "config.json")
     try:
         cfg = json.loads(f.read_text())
     except ValueError as e:
         raise ValueError(f"{f} is not valid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{f} holds a JSON {type(cfg).__name__}, not an object of GPT-2 settings")
+
+    def get(key, default=None, kind=int):
+        if key not in cfg and default is None:
+            raise ValueError(f"{f} has no {key!r}: a GPT-2 config names n_layer, n_head, n_embd and vocab_size")
+        value = cfg.get(key, default)
+        ok = isinstance(value, bool) if kind is bool else \
+            isinstance(value, (int, float) if kind is float else int) and not isinstance(value, bool) and value > 0
+        if not ok:
+            raise ValueError(f"{f}: {key}={value!r}, must be " + ("true or false" if kind is bool else "a number > 0"))
+        return value
+
     if cfg.get("model_type") != "gpt2":
         raise ValueError(f"{f} says model_type={cfg.get('model_type')!r}: nanoinfer runs GPT-2 models only")
     if cfg.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
         raise ValueError(f"{f}: activation_function={cfg['activation_function']!r}; nanoinfer has GPT-2's tanh GELU")
-    return GPTConfig(n_layer=cfg["n_layer"], n_head=cfg["n_head"], n_embd=cfg["n_embd"],
-                     n_ctx=cfg.get("n_positions", cfg.get("n_ctx", 1024)), vocab_size=cfg["vocab_size"],
-                     eps=cfg.get("layer_norm_epsilon", 1e-5))
+    if get("add_cross_attention", False, bool):
+        raise ValueError(f"{f}: add_cross_attention=true; nanoinfer runs decoder-only GPT-2 without cross-attention")
+    get("reorder_and_upcast_attn", False, bool)  # only where transformers rounds: our attention scores are fp32 anyway
+    n_embd, n_head = get("n_embd"), get("n_head")
+    if n_embd % n_head:
+        raise ValueError(f"{f}: n_embd={n_embd} does not split into n_head={n_head} heads of equal size")
+    return GPTConfig(n_layer=get("n_layer"), n_head=n_head, n_embd=n_embd,
+                     n_ctx=get("n_positions", cfg.get("n_ctx", 1024)), vocab_size=get("vocab_size"),
+                     n_inner=4 * n_embd if cfg.get("n_inner") is None else get("n_inner"),
+                     eps=get("layer_norm_epsilon", 1e-5, float),
+                     tie_word_embeddings=get("tie_word_embeddings", True, bool),
+                     scale_attn_weights=get("scale_attn_weights", True, bool),
+                     scale_attn_by_inverse_layer_idx=get("scale_attn_by_inverse_layer_idx", False, bool))
 
 
 def expected_shapes(c):
     """Every tensor of a GPT-2 checkpoint, in Hugging Face's names and layout (Conv1D weights are (in, out))."""
-    C = c.n_embd
+    C, F = c.n_embd, c.n_inner
     shapes = {"wte.weight": (c.vocab_size, C), "wpe.weight": (c.n_ctx, C), "ln_f.weight": (C,), "ln_f.bias": (C,)}
+    if not c.tie_word_embeddings:
+        shapes["lm_head.weight"] = (c.vocab_size, C)  # already (out, in): an nn.Linear, not a Conv1D
     for i in range(c.n_layer):
         shapes.update({f"h.{i}.ln_1.weight": (C,), f"h.{i}.ln_1.bias": (C,),
                        f"h.{i}.attn.c_attn.weight": (C, 3 * C), f"h.{i}.attn.c_attn.bias": (3 * C,),
                        f"h.{i}.attn.c_proj.weight": (C, C), f"h.{i}.attn.c_proj.bias": (C,),
                        f"h.{i}.ln_2.weight": (C,), f"h.{i}.ln_2.bias": (C,),
-                       f"h.{i}.mlp.c_fc.weight": (C, 4 * C), f"h.{i}.mlp.c_fc.bias": (4 * C,),
-                       f"h.{i}.mlp.c_proj.weight": (4 * C, C), f"h.{i}.mlp.c_proj.bias": (C,)})
+                       f"h.{i}.mlp.c_fc.weight": (C, F), f"h.{i}.mlp.c_fc.bias": (F,),
+                       f"h.{i}.mlp.c_proj.weight": (F, C), f"h.{i}.mlp.c_proj.bias": (C,)})
     return shapes
 
 
@@ -111,6 +150,10 @@ def load_weights(path, config):
     except Exception as e:
         raise ValueError(f"{f} cannot be read as safetensors ({e}): the file is truncated or corrupt; "
                          "delete it and download or save it again") from None
+    layers = {int(k.split(".")[1]) for k in tensors if k.startswith("h.") and k.split(".")[1].isdigit()}
+    if layers and max(layers) >= config.n_layer:
+        raise ValueError(f"{f} holds {max(layers) + 1} layers, but config.json says n_layer={config.n_layer}: "
+                         "the two files do not belong together")
     weights = {}
     for name, shape in expected_shapes(config).items():
         if name not in tensors:
@@ -144,17 +187,22 @@ class Tokenizer:
     def __init__(self, path):
         import tiktoken
         vocab_file, merges_file = _need(path, "vocab.json"), _need(path, "merges.txt")
-        vocab = json.loads(vocab_file.read_text(encoding="utf-8"))
-        byte_of = {ch: b for b, ch in bytes_to_unicode().items()}
-        self.eot_token = vocab.pop("<|endoftext|>")
-        # GPT-2's token ids are its merge ranks, which is exactly what tiktoken wants
-        ranks = {bytes(byte_of[ch] for ch in tok): i for tok, i in vocab.items()}
+        try:
+            vocab = json.loads(vocab_file.read_text(encoding="utf-8"))
+            self.eot_token = vocab.pop("<|endoftext|>")
+            byte_of = {ch: b for b, ch in bytes_to_unicode().items()}
+            # GPT-2's token ids are its merge ranks, which is exactly what tiktoken wants
+            ranks = {bytes(byte_of[ch] for ch in tok): i for tok, i in vocab.items()}
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{vocab_file} is not a GPT-2 vocabulary holding <|endoftext|> "
+                             f"({type(e).__name__}: {e})") from None
         merges = [l for l in merges_file.read_text(encoding="utf-8").split("\n")[1:] if l]
         if len(merges) != len(ranks) - 256:
             raise ValueError(f"{merges_file} has {len(merges)} merges but {vocab_file} implies {len(ranks) - 256}: "
                              "the two files do not belong together")
         self.enc = tiktoken.Encoding("gpt2-local", pat_str=GPT2_SPLIT, mergeable_ranks=ranks,
                                      special_tokens={"<|endoftext|>": self.eot_token})
+        self.n_vocab = self.enc.n_vocab  # the tokens it can decode: a padded embedding has more rows
 
     def encode(self, text):
         return self.enc.encode(text, allowed_special="all")
@@ -219,6 +267,9 @@ class NumpyBackend:
     def to_device(self, batch):
         return batch
 
+    def check_model(self, config):
+        pass  # numpy runs any shape
+
     def embed(self, wte, wpe, input_ids, positions):
         return wte[input_ids] + wpe[positions]  # (T, C)
 
@@ -280,7 +331,7 @@ def make_backend(device, dtype):
         if device == "cuda":
             raise RuntimeError(f"device='cuda' needs CuPy and an NVIDIA Hopper GPU ({why}): "
                                "pip install cupy-cuda13x on an H100 or H200, or use device='cpu'")
-        print(f"nanoinfer: no usable GPU ({why}); running on the CPU with numpy", file=sys.stderr)
+        log(f"no usable GPU ({why}); running on the CPU with numpy")
     if dtype is not None and np.dtype(dtype) != np.float32:
         raise ValueError(f"dtype={np.dtype(dtype).name} on the CPU: numpy has no fast fp16 matmul; use float32")
     return NumpyBackend(np.float32)
@@ -303,9 +354,12 @@ class Batch:
 
 class GPT:
     """GPT-2's forward pass, written once against the backend's op set."""
-    def __init__(self, config, weights, backend):
+    def __init__(self, config, weights, backend, n_vocab=None):
         self.config, self.backend = config, backend
         self.w = {name: backend.asarray(a) for name, a in weights.items()}
+        # the lm_head is the embedding (tied) unless the checkpoint has its own; an embedding padded past the
+        # tokenizer's n_vocab tokens (nanoGPT's 50304) keeps its padding rows out of the logits: never sampled
+        self.lm_head = self.w.get("lm_head.weight", self.w["wte.weight"])[:n_vocab or config.vocab_size]  # (V, C)
 
     def forward(self, batch, kv):
         """Logits (R, V), float32, for the rows batch.logits_idx; writes every token's K/V into the cache."""
@@ -322,13 +376,13 @@ class GPT:
             ln_1, ln_2 = ((w[p + f"ln_{j}.weight"], w[p + f"ln_{j}.bias"], c.eps) for j in (1, 2))
             qkv = be.matmul(h, w[p + "attn.c_attn.weight"], w[p + "attn.c_attn.bias"], ln=ln_1)  # (T, 3C)
             q, k, v = (qkv[:, j * C:(j + 1) * C].reshape(T, H, D) for j in range(3))  # (T, H, D) each
-            att = be.attention(q, k, v, kv.k[i], kv.v[i], d, 1.0 / math.sqrt(D)).reshape(T, C)  # caches k, v
+            att = be.attention(q, k, v, kv.k[i], kv.v[i], d, c.attention_scale(i)).reshape(T, C)  # caches k, v
             h = be.matmul(att, w[p + "attn.c_proj.weight"], w[p + "attn.c_proj.bias"], residual=h)
             f = be.matmul(h, w[p + "mlp.c_fc.weight"], w[p + "mlp.c_fc.bias"], gelu=True, ln=ln_2)  # (T, 4C)
             h = be.matmul(f, w[p + "mlp.c_proj.weight"], w[p + "mlp.c_proj.bias"], residual=h)
-        # only the rows that sample need the last layernorm and the 50257-wide lm_head (tied to the embedding)
+        # only the rows that sample need the last layernorm and the 50257-wide lm_head
         rows = h if d.logits_idx is None else h[d.logits_idx]  # (R, C)
-        return be.matmul(rows, w["wte.weight"], ln=(w["ln_f.weight"], w["ln_f.bias"], c.eps), out_dtype=np.float32)
+        return be.matmul(rows, self.lm_head, ln=(w["ln_f.weight"], w["ln_f.bias"], c.eps), out_dtype=np.float32)
 
 # -----------------------------------------------------------------------------
 # sampling parameters and outputs, with the names vLLM users know
@@ -339,7 +393,7 @@ class SamplingParams:
     max_tokens: int = 16
     temperature: float = 1.0  # 0 is greedy
     top_p: float = 1.0
-    top_k: int = 0  # 0 is off
+    top_k: int = 0  # 0 (or -1, vLLM's spelling) is off, as is any k >= the vocabulary
     seed: int = None  # a seeded request samples the same tokens whatever else is in the batch
     stop: list = None  # strings that end the request (not included in the text)
     ignore_eos: bool = False
@@ -349,19 +403,32 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         stop_ok = isinstance(self.stop, list) and all(isinstance(x, str) and x for x in self.stop)
-        for name, ok, rule in (
-                ("max_tokens", isinstance(self.max_tokens, int) and self.max_tokens >= 1, "an integer >= 1"),
-                ("temperature", isinstance(self.temperature, (int, float)) and 0 <= self.temperature < math.inf,
-                 "a number >= 0 (0 is greedy)"),
-                ("top_p", isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1, "a number in (0, 1]"),
-                ("top_k", isinstance(self.top_k, int) and self.top_k >= 0, "an integer >= 0 (0 is off)"),
-                ("seed", self.seed is None or isinstance(self.seed, int) and 0 <= self.seed < 2 ** 64,
-                 "None or an integer in [0, 2**64)"),
-                ("stop", self.stop is None or stop_ok, "None, a string, or a list of non-empty strings"),
-                ("logprobs", self.logprobs is None or isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20,
-                 "None or an integer in [0, 20]")):
-            if not ok or isinstance(getattr(self, name), bool):
-                raise ValueError(f"SamplingParams.{name}={getattr(self, name)!r}: must be {rule}")
+        refuse_bad("SamplingParams", (
+            ("max_tokens", self.max_tokens, is_int(self.max_tokens, 1), "an integer >= 1"),
+            ("temperature", self.temperature, is_number(self.temperature) and self.temperature >= 0,
+             "a number >= 0 (0 is greedy)"),
+            ("top_p", self.top_p, is_number(self.top_p) and 0 < self.top_p <= 1, "a number in (0, 1]"),
+            ("top_k", self.top_k, is_int(self.top_k, -1), "an integer >= -1 (0 or -1 is off)"),
+            ("seed", self.seed, self.seed is None or is_int(self.seed, 0, 2 ** 64 - 1), "None or an integer in [0, 2**64)"),
+            ("stop", self.stop, self.stop is None or stop_ok, "None, a string, or a list of non-empty strings"),
+            ("ignore_eos", self.ignore_eos, isinstance(self.ignore_eos, bool), "True or False"),
+            ("logprobs", self.logprobs, self.logprobs is None or is_int(self.logprobs, 0, 20),
+             "None or an integer in [0, 20]")))
+
+
+def is_int(v, lo, hi=math.inf):
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool) and lo <= v <= hi
+
+
+def is_number(v):  # finite
+    return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def refuse_bad(owner, checks):
+    """ValueError naming the first of the (name, value, ok, rule) checks that is not ok, and what it must be."""
+    for name, value, ok, rule in checks:
+        if not ok:
+            raise ValueError(f"{owner}.{name}={value!r}: must be {rule}")
 
 
 @dataclass
@@ -370,7 +437,7 @@ class RequestOutput:
     prompt_token_ids: list
     text: str = ""
     token_ids: list = field(default_factory=list)
-    finish_reason: str = None  # 'stop' (EOS or a stop string), 'length' (max_tokens or the context), 'error'
+    finish_reason: str = None  # 'stop' (EOS or a stop string), 'length' (max_tokens or the context), 'abort', 'error'
     logprobs: list = None  # with logprobs=k: per token {'token': logprob of the chosen one, 'top': [(id, logprob)] * k}
     error: str = None
 
@@ -384,7 +451,7 @@ SamplingArrays = namedtuple("SamplingArrays", "temperature top_k top_p seed step
 def sampling_arrays(seqs):
     params = [s.params for s in seqs]
     return SamplingArrays(np.array([p.temperature for p in params], np.float32),
-                          np.array([p.top_k for p in params], np.int32),
+                          np.array([min(max(p.top_k, 0), 2 ** 31 - 1) for p in params], np.int32),  # k > V: off
                           np.array([p.top_p for p in params], np.float32),
                           np.array([s.seed for s in seqs], np.uint64),
                           np.array([s.num_output for s in seqs], np.int32))
@@ -408,24 +475,42 @@ class EagerRunner:
     def wait(self):
         pass  # nothing runs ahead of the host
 
+    def reset(self):
+        pass  # nor is anything launched ahead to forget
+
 
 class LLM:
     """The engine. step() is the whole loop: the scheduler picks this step's tokens, they become one flat batch, the
-    runner runs the model over it and samples, and the new tokens go to their sequences."""
+    runner runs the model over it and samples, and the new tokens go to their sequences.
+
+    A step is all or nothing (see _step). One LLM may serve several threads and nested streams: every call that changes
+    the engine holds its lock (_exclusive), and each request's events go to the call that added it (its outbox)."""
     def __init__(self, model, device="auto", dtype=None, block_size=16, max_num_seqs=256,
                  max_num_batched_tokens=16384, num_kv_tokens=None, gpu_memory_utilization=0.9, seed=0,
                  cuda_graphs=True, fused=True, num_scheduler_steps=16, dependent_launches=True):
+        refuse_bad("LLM", [(name, value, is_int(value, 1), "an integer >= 1") for name, value in (
+            ("block_size", block_size), ("max_num_seqs", max_num_seqs), ("num_scheduler_steps", num_scheduler_steps),
+            ("max_num_batched_tokens", max_num_batched_tokens))] + [
+            ("num_kv_tokens", num_kv_tokens, num_kv_tokens is None or is_int(num_kv_tokens, 1), "None or >= 1"),
+            ("gpu_memory_utilization", gpu_memory_utilization,
+             is_number(gpu_memory_utilization) and 0 < gpu_memory_utilization <= 1, "a fraction in (0, 1]"),
+            ("seed", seed, is_int(seed, 0), "an integer >= 0"),
+            ("dtype", dtype, dtype in (None, "float16", "float32", np.float16, np.float32), "float16 or float32")] + [
+            (name, value, isinstance(value, bool), "True or False") for name, value in (
+                ("cuda_graphs", cuda_graphs), ("fused", fused), ("dependent_launches", dependent_launches))])
         path = resolve_model(model)
         self.config = c = load_config(path)
         self.tokenizer = Tokenizer(path)
+        if self.tokenizer.n_vocab > c.vocab_size:
+            raise ValueError(f"{path}: the tokenizer has {self.tokenizer.n_vocab} tokens but config.json's vocab_size "
+                             f"is {c.vocab_size}: the files do not belong together")
         self.backend = make_backend(device, dtype)
+        self.backend.check_model(c)
         # the lessons' switches: fusion, launch overhead (CUDA graphs), multi-step decoding, dependent launches
         self.backend.fuse, self.backend.pdl = fused, dependent_launches
-        self.model = GPT(c, load_weights(path, c), self.backend)
-        if num_kv_tokens is None:
-            num_kv_tokens = self._kv_tokens_that_fit(gpu_memory_utilization)
-        self.kv = PagedKVCache(self.backend, c.n_layer, c.n_head, c.head_dim, -(-num_kv_tokens // block_size),
-                               block_size)
+        self.model = GPT(c, load_weights(path, c), self.backend, self.tokenizer.n_vocab)
+        num_blocks = self._kv_pool_blocks(num_kv_tokens, gpu_memory_utilization, max_num_seqs, block_size)
+        self.kv = PagedKVCache(self.backend, c.n_layer, c.n_head, c.head_dim, num_blocks, block_size)
         self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens)
         if cuda_graphs and self.backend.name == "cuda":
             from cuda_backend import GraphRunner
@@ -434,32 +519,73 @@ class LLM:
             self.runner = EagerRunner(self.model, self.kv)
         self._rng = np.random.default_rng(seed)  # seeds for requests that bring none
         self._next_id = 0
+        self._requests = {}  # request id -> (its Sequence, the outbox its events go to), until its last event
+        self._step_outbox = []  # the outbox of requests from add_request: step() returns its events
+        self._lock, self._depth = threading.RLock(), 0
+        self._stepping, self._aborts_after_step = False, []
 
-    def _kv_tokens_that_fit(self, fraction):
-        """On the GPU: what the fraction of its memory leaves after the weights. On the CPU: 1 GiB."""
+    def _kv_pool_blocks(self, num_kv_tokens, fraction, max_num_seqs, block_size):
+        """num_kv_tokens, or what fits (on a GPU: the fraction of its memory the weights leave; on the CPU: 1 GiB), but
+        never more than the engine can use: max_num_seqs full contexts are the most alive at once."""
         c = self.config
         per_token = PagedKVCache.bytes_per_token(c.n_layer, c.n_head, c.head_dim, self.backend.dtype.itemsize)
-        if self.backend.name == "cpu":
-            budget = 2 ** 30
-        else:
-            free, total = self.backend.memory_info()
-            budget = total * fraction - (total - free) - 2 ** 30  # 1 GiB for activations, logits and CUDA graphs
-        if budget < per_token * c.n_ctx:
-            raise RuntimeError(f"the KV cache would hold only {int(max(budget, 0) // per_token)} tokens, less than one "
-                               f"full context ({c.n_ctx}): raise gpu_memory_utilization or pass num_kv_tokens")
-        return int(budget // per_token)
+        if num_kv_tokens is None:
+            if self.backend.name == "cpu":
+                budget = 2 ** 30
+            else:
+                free, total = self.backend.memory_info()
+                budget = total * fraction - (total - free) - 2 ** 30  # 1 GiB for activations, logits and CUDA graphs
+            if budget < per_token * c.n_ctx:
+                raise RuntimeError(f"the KV cache would hold only {int(max(budget, 0) // per_token)} tokens, less than "
+                                   f"one full context ({c.n_ctx}): raise gpu_memory_utilization, free GPU memory (other "
+                                   "processes hold some), or pass num_kv_tokens")
+            num_kv_tokens = int(budget // per_token)
+        blocks = min(-(-num_kv_tokens // block_size), max_num_seqs * -(-c.n_ctx // block_size))
+        log(f"KV cache: {blocks * block_size:,} tokens ({blocks * block_size * per_token / 2 ** 30:.2f} GiB), "
+            f"{blocks} blocks of {block_size}; max_num_seqs={max_num_seqs} x n_ctx={c.n_ctx} is the most it can use")
+        return blocks
+
+    @contextlib.contextmanager
+    def _exclusive(self):
+        """Hold the engine: one thread at a time. In the main thread, a Ctrl-C meanwhile waits until the engine is
+        consistent again and is raised on leaving (a second Ctrl-C breaks in at once; the step is then undone)."""
+        with self._lock:
+            defer = self._depth == 0 and threading.current_thread() is threading.main_thread() and \
+                signal.getsignal(signal.SIGINT) is signal.default_int_handler
+            interrupted = []
+
+            def hold(signum, frame):
+                if interrupted:
+                    raise KeyboardInterrupt
+                interrupted.append(signum)
+            if defer:
+                signal.signal(signal.SIGINT, hold)
+            self._depth += 1
+            try:
+                yield
+            finally:
+                self._depth -= 1
+                if defer:
+                    signal.signal(signal.SIGINT, signal.default_int_handler)
+            if interrupted:
+                raise KeyboardInterrupt
 
     def add_request(self, prompt, params=None):
-        """Queue a request; a bad one raises ValueError here and leaves the engine serving the others."""
-        params = params or SamplingParams()
-        c = self.config
+        """Queue a request; step() returns its events. A bad one raises ValueError here and the others go on."""
+        return self._add(prompt, params, self._step_outbox)
+
+    def _add(self, prompt, params, outbox):
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling parameters are a SamplingParams or None, not {type(params).__name__}")
+        c, n_vocab = self.config, self.tokenizer.n_vocab
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, (list, tuple, np.ndarray)) and \
-                all(isinstance(t, (int, np.integer)) and 0 <= t < c.vocab_size for t in prompt):
+                all(isinstance(t, (int, np.integer)) and 0 <= t < n_vocab for t in prompt):
             ids = [int(t) for t in prompt]
         else:
-            raise ValueError(f"a prompt is a string or a list of token ids in [0, {c.vocab_size})")
+            raise ValueError(f"a prompt is a string or a list of token ids in [0, {n_vocab})")
         ids = ids or [self.tokenizer.eot_token]  # an empty prompt generates unconditionally
         if len(ids) >= c.n_ctx:
             raise ValueError(f"the prompt is {len(ids)} tokens, and this model's context is {c.n_ctx} tokens with at "
@@ -469,25 +595,88 @@ class LLM:
             raise ValueError(f"the request may need {most_tokens} tokens of KV cache, but the whole pool holds "
                              f"{self.kv.num_blocks * self.kv.block_size}: lower max_tokens, or give the engine a "
                              "larger pool (num_kv_tokens, gpu_memory_utilization)")
-        seed = params.seed if params.seed is not None else int(self._rng.integers(2 ** 63))
-        seq = Sequence(self._next_id, ids, params, seed, self.tokenizer)
-        self._next_id += 1
-        self.scheduler.add(seq)
+        with self._exclusive():
+            seed = params.seed if params.seed is not None else int(self._rng.integers(2 ** 63))
+            seq = Sequence(self._next_id, ids, params, seed, self.tokenizer)
+            self._next_id += 1
+            self._requests[seq.seq_id] = seq, outbox
+            self.scheduler.add(seq)
         return seq.seq_id
+
+    def abort_request(self, request_id):
+        """Stop requests (an id, or several) now, wherever they are: their blocks are freed at once, and each gets a
+        last event, finish_reason 'abort'. An id unknown or already finished is ignored, as in vLLM."""
+        ids = [request_id] if isinstance(request_id, (int, np.integer, str)) else list(request_id)
+        with self._exclusive():
+            if self._stepping:  # called from inside a step (a stream's cleanup run by the garbage collector)
+                self._aborts_after_step += ids
+                return
+            for seq, _ in [self._requests[rid] for rid in ids if rid in self._requests]:
+                self.scheduler.remove(seq)
+                seq.finish("abort")
+                self._deliver([self._event(seq)])
 
     def has_unfinished(self):
         return self.scheduler.has_unfinished()
 
     def step(self):
-        """One step: (request_id, new text, RequestOutput once finished else None) per request given tokens."""
-        scheduled = self.scheduler.schedule(self.runner.admission_group())  # [(sequence, tokens to compute now)]
-        if not scheduled:
-            return []
-        batch, sampling = self._make_batch(scheduled)  # one flat batch; the sequences whose last token it holds
-        tokens, logits = self.runner.run(batch, sampling)  # (steps, R) new tokens; (R, V) logits for logprobs
-        for seq, n in scheduled:
-            seq.num_computed += n  # their K/V are in the cache now
-        return self._postprocess(sampling, tokens, logits)
+        """One step: (request_id, new text, RequestOutput once finished else None) for each request of add_request's
+        that got tokens or finished (a stream()'s requests are its own: their events go to it)."""
+        with self._exclusive():
+            self._step()
+            events, self._step_outbox[:] = self._step_outbox[:], []
+            return events
+
+    def _step(self):
+        """schedule -> batch -> run -> postprocess, all or nothing: if anything raises, _undo puts the sequences it
+        scheduled back as they were. After an interrupt (Ctrl-C) they wait in line and the interrupt goes on; after an
+        error they finish with it (it would come back), and the engine goes on serving every other request."""
+        saved = {}  # sequence -> its state before this step
+        self._stepping = True
+        try:
+            scheduled = self.scheduler.schedule(self.runner.admission_group())  # [(sequence, tokens to compute now)]
+            saved.update((seq, seq.checkpoint()) for seq, _ in scheduled)
+            events = []
+            if scheduled:
+                batch, sampling = self._make_batch(scheduled)  # one flat batch; the sequences whose last token it holds
+                tokens, logits = self.runner.run(batch, sampling)  # (steps, R) new tokens; (R, V) logits for logprobs
+                for seq, n in scheduled:
+                    seq.num_computed += n  # their K/V are in the cache now
+                events = self._postprocess(sampling, tokens, logits)
+        except BaseException as e:
+            self._undo(saved)
+            if not isinstance(e, Exception) or not saved:  # an interrupt, or an error no request can be blamed for
+                raise
+            events = self._fail(saved, e)
+        finally:
+            self._stepping = False
+        self._deliver(events)
+        if self._aborts_after_step:
+            ids, self._aborts_after_step = self._aborts_after_step, []
+            self.abort_request(ids)
+
+    def _undo(self, saved):
+        """Put each sequence a failed step scheduled back as it was before the step, first in line, its blocks freed (as
+        after a preemption: it is recomputed, so no half-written KV is trusted), and forget runs launched ahead."""
+        self.runner.reset()
+        for seq, state in reversed(saved.items()):
+            seq.restore(state)
+            self.scheduler.requeue(seq)
+
+    def _fail(self, saved, error):
+        print(f"nanoinfer: a step failed; its {len(saved)} request(s) end with finish_reason 'error':", file=sys.stderr)
+        traceback.print_exception(error)
+        for seq in saved:
+            self.scheduler.remove(seq)
+            seq.finish("error", f"the engine step running this request failed: {type(error).__name__}: {error}")
+        return [self._event(seq) for seq in saved]
+
+    def _deliver(self, events):
+        for event in events:
+            request_id, _, out = event
+            self._requests[request_id][1].append(event)
+            if out is not None:
+                del self._requests[request_id]  # its last event
 
     def _make_batch(self, scheduled):
         """Flatten this step's work into one batch: Python loops over sequences, numpy over tokens."""
@@ -507,7 +696,6 @@ class LLM:
 
     def _postprocess(self, seqs, tokens, logits):
         """Hand each sequence its tokens until one finishes it (the rest dropped, blocks freed): an event each."""
-        events = []
         for row, seq in enumerate(seqs):
             for i, token in enumerate(tokens[:, row]):
                 if i > 0:
@@ -516,12 +704,15 @@ class LLM:
                     seq.logprobs.append(self._logprobs(logits[row], int(token), seq.params.logprobs))
                 seq.append(int(token), self.config.n_ctx)
                 if seq.finish_reason:
-                    self.scheduler.finish(seq)
+                    self.scheduler.remove(seq)
                     break
-            out = RequestOutput(seq.seq_id, seq.prompt_token_ids, seq.text, seq.output_token_ids, seq.finish_reason,
-                                seq.logprobs) if seq.finish_reason else None
-            events.append((seq.seq_id, seq.new_text(), out))
-        return events
+        return [self._event(seq) for seq in seqs]
+
+    @staticmethod
+    def _event(seq):
+        out = RequestOutput(seq.seq_id, seq.prompt_token_ids, seq.text, seq.output_token_ids, seq.finish_reason,
+                            seq.logprobs, seq.error) if seq.finish_reason else None
+        return seq.seq_id, seq.new_text(), out
 
     @staticmethod
     def _logprobs(logits_row, token, k):
@@ -532,21 +723,29 @@ class LLM:
         return {"token": float(logp[token]), "top": [(int(t), float(logp[t])) for t in top]}
 
     def stream(self, prompts, params=None):
-        """Yield (prompt index, new text, RequestOutput once finished else None); a refused request yields its error."""
+        """Yield (prompt index, new text, RequestOutput once finished else None); a refused request yields its error.
+        A stream left early (break, close(), an exception in its consumer) aborts its unfinished requests at once."""
         prompts, params = _as_lists(prompts, params)
-        index = {}
-        for i, (prompt, p) in enumerate(zip(prompts, params)):
-            try:
-                index[self.add_request(prompt, p)] = i
-            except ValueError as e:
-                yield i, "", RequestOutput(None, [], finish_reason="error", error=str(e))
-        remaining = len(index)
-        while remaining:
-            for rid, delta, out in self.step():
-                if rid in index:
+        outbox, index = deque(), {}
+        try:
+            for i, (prompt, p) in enumerate(zip(prompts, params)):
+                try:
+                    index[self._add(prompt, p, outbox)] = i
+                except ValueError as e:
+                    yield i, "", RequestOutput(None, [], finish_reason="error", error=str(e))
+            remaining = len(index)
+            while remaining:
+                with self._exclusive():
+                    if not outbox:  # whichever call steps, every request's events go to its own outbox
+                        self._step()
+                    events = [outbox.popleft() for _ in range(len(outbox))]
+                for request_id, delta, out in events:
                     remaining -= out is not None
-                    yield index[rid], delta, out
-        self.runner.wait()  # no GPU work outlives this call (a run launched ahead of the last tokens included)
+                    yield index[request_id], delta, out
+            self.runner.wait()  # no GPU work outlives this call (a run launched ahead of the last tokens included)
+        finally:
+            with self._exclusive():
+                self.abort_request([rid for rid, (_, box) in self._requests.items() if box is outbox])
 
     def generate(self, prompts, params=None):
         """Run prompts to completion, continuously batched: one RequestOutput per prompt, in order."""
@@ -560,7 +759,11 @@ class LLM:
 def _as_lists(prompts, params):
     single = isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], (int, np.integer)))
     prompts = [prompts] if single else list(prompts)
-    params = params if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
+    params = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
     if len(params) != len(prompts):
         raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts: give one, or one per prompt")
     return prompts, params
+
+
+def log(message):
+    print(f"nanoinfer: {message}", file=sys.stderr, flush=True)

@@ -26,6 +26,7 @@ class Sequence:
         self.seed = seed  # makes the samples of this request independent of the rest of the batch
         self.num_computed = 0  # tokens whose K/V are in the cache
         self.finish_reason = None
+        self.error = None  # why, when finish_reason is 'error'
         self.logprobs = [] if params.logprobs is not None else None
         self.text = ""
         self.num_streamed = 0  # characters of text already handed out by stream()
@@ -54,14 +55,15 @@ class Sequence:
         if not is_eos:
             self.text += self._utf8.decode(self._tokenizer.token_bytes(token))
         if p.stop and self._cut_at_stop(text_before):
-            self.finish_reason = "stop"
-            return
-        if is_eos and not p.ignore_eos:
-            self.finish_reason = "stop"
+            self.finish("stop")
+        elif is_eos and not p.ignore_eos:
+            self.finish("stop")
         elif self.num_output >= p.max_tokens or len(self.token_ids) >= n_ctx:
-            self.finish_reason = "length"
-        if self.finish_reason:
-            self.text += self._utf8.decode(b"", final=True)
+            self.finish("length")
+
+    def finish(self, reason, error=None):
+        self.finish_reason, self.error = reason, error
+        self.text += self._utf8.decode(b"", final=True)  # bytes held back for a character's rest, as U+FFFD
 
     def _cut_at_stop(self, text_before):
         # a stop string that the new text completed starts at most len(stop) - 1 characters before it
@@ -69,7 +71,20 @@ class Sequence:
         hits = [i for i in (self.text.find(s, start) for s in self.params.stop) if i >= 0]
         if hits:
             self.text = self.text[:min(hits)]
+            self._utf8.reset()  # bytes held back are past the stop string: dropped with the rest
         return bool(hits)
+
+    def checkpoint(self):
+        """Everything a step changes in a sequence, to undo the step if it fails midway (see LLM._undo)."""
+        return (len(self.token_ids), self.num_computed, self.finish_reason, self.error, self.text, self.num_streamed,
+                None if self.logprobs is None else len(self.logprobs), self._utf8.getstate())
+
+    def restore(self, state):
+        n, self.num_computed, self.finish_reason, self.error, self.text, self.num_streamed, n_logprobs, utf8 = state
+        del self.token_ids[n:]
+        if n_logprobs is not None:
+            del self.logprobs[n_logprobs:]
+        self._utf8.setstate(utf8)
 
     def new_text(self):
         """Text not yet streamed. While running, hold back what could still become the start of a stop string."""
@@ -138,13 +153,19 @@ class Scheduler:
         return list(scheduled.items())
 
     def _preempt(self, seq):
-        """Recompute later: free its blocks, forget its cache, and put it first in line."""
-        self.running.remove(seq)
-        self.kv.free(seq.seq_id)
-        seq.num_computed = 0
-        self.waiting.appendleft(seq)
+        self.requeue(seq)
         self.num_preemptions += 1
 
-    def finish(self, seq):
-        self.running.remove(seq)
+    def requeue(self, seq):
+        """Recompute later: free its blocks, forget its cache, and put it first in line."""
+        self.remove(seq)
+        seq.num_computed = 0
+        self.waiting.appendleft(seq)
+
+    def remove(self, seq):
+        """Take a sequence out of the queues (finished, aborted or failed) and free its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
         self.kv.free(seq.seq_id)

@@ -654,8 +654,9 @@ def test_request_that_never_fits_the_pool_is_refused(tiny):
 
 
 @pytest.mark.parametrize("field,value", [
-    ("temperature", -0.5), ("temperature", float("nan")), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -1),
-    ("max_tokens", 0), ("max_tokens", 2.5), ("logprobs", -1), ("seed", -3), ("stop", [""])])
+    ("temperature", -0.5), ("temperature", float("nan")), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2),
+    ("top_k", 2.0), ("top_k", True), ("max_tokens", 0), ("max_tokens", 2.5), ("logprobs", -1), ("logprobs", 21),
+    ("seed", -3), ("seed", 2 ** 64), ("stop", [""]), ("stop", 5), ("ignore_eos", 1), ("temperature", float("inf"))])
 def test_bad_sampling_values_raise(field, value):
     """Each bad sampling value raises ValueError naming the field."""
     with pytest.raises(ValueError, match=field):
