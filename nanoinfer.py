@@ -617,7 +617,8 @@ class LLM:
                 self._deliver([self._event(seq)])
 
     def has_unfinished(self):
-        return self.scheduler.has_unfinished()
+        """Whether requests wait or run, or step() has events to hand out (of requests another call's step finished)."""
+        return self.scheduler.has_unfinished() or bool(self._step_outbox)
 
     def step(self):
         """One step: (request_id, new text, RequestOutput once finished else None) for each request of add_request's

@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import threading
+import traceback
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -107,13 +108,14 @@ class Ckpt:
     n_ctx: int
 
 
-def write_checkpoint(path, seed, n_layer=2, n_head=2, n_embd=128, n_positions=128):
+def write_checkpoint(path, seed, n_layer=2, n_head=2, n_embd=128, n_positions=128, **config):
     """A random GPT-2 in the HF layout, made peaked so greedy choices are rarely near-ties: the last MLP becomes a
     sparse 'vote' layer (a unit fires only well above its threshold and writes one vocabulary token's embedding
     direction), so the top logit usually stands clear of the second while the choice still depends on context."""
     from transformers import GPT2Config, GPT2LMHeadModel
     torch.manual_seed(seed)
-    cfg = GPT2Config(vocab_size=50257, n_positions=n_positions, n_embd=n_embd, n_layer=n_layer, n_head=n_head)
+    cfg = GPT2Config(**{"vocab_size": 50257, **config}, n_positions=n_positions, n_embd=n_embd, n_layer=n_layer,
+                     n_head=n_head)
     model = GPT2LMHeadModel(cfg).eval()
     C = n_embd
     with torch.no_grad():
@@ -125,7 +127,7 @@ def write_checkpoint(path, seed, n_layer=2, n_head=2, n_embd=128, n_positions=12
         mlp = model.transformer.h[-1].mlp
         mlp.c_fc.weight.copy_(torch.randn(C, 4 * C) * (4.0 / math.sqrt(C)))
         mlp.c_fc.bias.fill_(-2.25 * 4.0)
-        votes = model.transformer.wte.weight[torch.randint(0, 50257, (4 * C,))]
+        votes = model.transformer.wte.weight[torch.randint(0, min(cfg.vocab_size, 50257), (4 * C,))]
         mlp.c_proj.weight.copy_(votes / votes.norm(dim=1, keepdim=True) * 10.0)
     model.save_pretrained(path, safe_serialization=True)
     vocab, merges = gpt2_vocab_files()
@@ -577,29 +579,38 @@ def solo(ckpt, dev, prompt, params):
     return _solo_cache[key]
 
 
-REQUEST = st.tuples(st.integers(1, 40), st.integers(1, 16), st.integers(0, 8), st.booleans(), st.integers(0, 2 ** 20))
+# (prompt length, max_tokens, arrival step, sampled, seed, abort step or None)
+REQUEST = st.tuples(st.integers(1, 40), st.integers(1, 16), st.integers(0, 8), st.booleans(), st.integers(0, 2 ** 20),
+                    st.one_of(st.none(), st.none(), st.integers(0, 30)))
+STRESS_EXAMPLES = int(os.environ.get("NANOINFER_STRESS_EXAMPLES", 20))  # raised before resolving engine changes
 
 
 @pytest.mark.parametrize("dev", EXACT_DEVICES)
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=STRESS_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(reqs=st.lists(REQUEST, min_size=2, max_size=6), block_size=st.sampled_from([1, 4, 16, 32]),
-       slack=st.sampled_from([0, 0, 1, 16, 64]), max_batched=st.sampled_from([3, 8, 32, 2048]), max_seqs=st.sampled_from([1, 2, 256]))
+       slack=st.sampled_from([0, 0, 1, 16, 64]), max_batched=st.sampled_from([3, 8, 32, 2048]),
+       max_seqs=st.sampled_from([1, 2, 256]))
 def test_stress_every_request_gets_its_solo_output(tiny, dev, reqs, block_size, slack, max_batched, max_seqs):
-    """Random requests (greedy or seeded sampling) arriving while others run, on random pools (down to the
-    smallest that fits the largest request), block sizes and budgets: every request finishes with its solo
-    output, the allocator invariants hold after every step, and no block leaks."""
+    """Random requests (greedy or seeded sampling) arriving while others run, some aborted at a random step, on
+    random pools (down to the smallest that fits the largest request), block sizes and budgets: every request
+    finishes with its solo output (an aborted one: a prefix of it), the allocator invariants hold after every step,
+    and no block leaks."""
     work = []
-    for n, max_tokens, arrival, sampled, seed in reqs:
+    for n, max_tokens, arrival, sampled, seed, abort in reqs:
         params = SamplingParams(seed=seed, **{**SAMPLED, "max_tokens": max_tokens}) if sampled else greedy(max_tokens)
-        work.append((arrival, random_ids(n, seed), params))
-    biggest = max(-(-(len(p) + q.max_tokens) // block_size) for _, p, q in work) * block_size
+        work.append((arrival, random_ids(n, seed), params, abort))
+    biggest = max(-(-(len(p) + q.max_tokens) // block_size) for _, p, q, _ in work) * block_size
     llm = make_llm(tiny, dev, block_size=block_size, num_kv_tokens=biggest + slack,
                    max_num_batched_tokens=max_batched, max_num_seqs=max_seqs)
-    pending, ids, done, t, idle = sorted(work, key=lambda w: w[0]), {}, {}, 0, 0
+    pending, ids, done, aborts, t, idle = sorted(work, key=lambda w: w[0]), {}, {}, {}, 0, 0
     while pending or llm.has_unfinished():
         while pending and (pending[0][0] <= t or not llm.has_unfinished()):
-            _, prompt, params = pending.pop(0)
-            ids[llm.add_request(prompt, params)] = (prompt, params)
+            _, prompt, params, abort = pending.pop(0)
+            rid = llm.add_request(prompt, params)
+            ids[rid] = (prompt, params)
+            if abort is not None:
+                aborts.setdefault(t + abort, []).append(rid)
+        llm.abort_request(aborts.pop(t, []))
         events = llm.step()
         for rid, _, out in events:
             if out is not None:
@@ -609,8 +620,11 @@ def test_stress_every_request_gets_its_solo_output(tiny, dev, reqs, block_size, 
         assert idle < 200, "200 steps without a new token: the engine is stuck"
     assert set(done) == set(ids)
     for rid, (prompt, params) in ids.items():
-        assert done[rid].token_ids == solo(tiny, dev, prompt, params)
-        assert done[rid].finish_reason == "length"
+        want = solo(tiny, dev, prompt, params)
+        if done[rid].finish_reason == "abort":
+            assert done[rid].token_ids == want[:len(done[rid].token_ids)]
+        else:
+            assert done[rid].token_ids == want and done[rid].finish_reason == "length"
     assert llm.kv.allocator.num_free() == llm.kv.num_blocks
     target(float(llm.scheduler.num_preemptions), label="preemptions")  # steer the search toward pressure
 
@@ -795,6 +809,462 @@ def _is_utf8(b):
         return True
     except UnicodeDecodeError:
         return False
+
+
+# -----------------------------------------------------------------------------
+# faults, aborts and concurrency: nothing wedges the engine
+
+class Fault(Exception):
+    """An error injected into a step."""
+
+
+def inject(monkeypatch, owner, name, error, at):
+    """Make owner.name raise `error` once, on its at-th call; returns [calls so far]."""
+    original, calls = getattr(owner, name), [0]
+
+    def faulty(*args, **kw):
+        calls[0] += 1
+        if calls[0] == at:
+            raise error
+        return original(*args, **kw)
+    monkeypatch.setattr(owner, name, faulty)
+    return calls
+
+
+def finish_by_steps(llm):
+    """Drive step() until nothing is left; {request id: its last RequestOutput}."""
+    done = {}
+    for _ in range(10_000):
+        if not llm.has_unfinished():
+            return done
+        done.update((rid, out) for rid, _, out in llm.step() if out is not None)
+    raise AssertionError("10,000 steps and requests still unfinished: the engine is stuck")
+
+
+def assert_idle(llm):
+    """Nothing queued, nothing owned, every block free."""
+    check_kv(llm.kv)
+    assert not llm.has_unfinished() and not llm._requests
+    assert llm.kv.allocator.num_free() == llm.kv.num_blocks and not llm.kv.block_tables
+
+
+FAULT_POINTS = {  # a step's calls, in order; the last four exist only in CUDA-graph runs
+    "schedule": lambda llm: (type(llm.scheduler), "schedule"), "grow": lambda llm: (PagedKVCache, "grow"),
+    "make_batch": lambda llm: (LLM, "_make_batch"), "forward": lambda llm: (ni.GPT, "forward_on_device"),
+    "sample": lambda llm: (type(llm.backend), "sample"), "postprocess": lambda llm: (LLM, "_postprocess"),
+    "append": lambda llm: (Sequence, "append"), "token_bytes": lambda llm: (ni.Tokenizer, "token_bytes"),
+    "finish": lambda llm: (type(llm.scheduler), "remove"),
+    "plan_run": lambda llm: (cuda_backend, "plan_run"), "launch": lambda llm: (cuda_backend.DecodeGraph, "launch"),
+    "carry_on": lambda llm: (cuda_backend.DecodeGraph, "carry_on"), "tokens": lambda llm: (cuda_backend.GraphRun, "tokens"),
+}
+FAULT_PROMPTS = [random_ids(20, 1), random_ids(5, 2), random_ids(9, 3)]
+FAULT_PARAMS = [greedy(12), greedy(14), greedy(8, logprobs=2)]  # logprobs: an eager decode on the GPU too
+FAULT_SIDE = (random_ids(7, 4), greedy(10))  # a request of add_request's, in the same batches
+
+
+@pytest.mark.parametrize("dev", EXACT_DEVICES)
+@pytest.mark.parametrize("at", [1, 3])
+@pytest.mark.parametrize("error", [Fault, KeyboardInterrupt], ids=["error", "interrupt"])
+@pytest.mark.parametrize("point", list(FAULT_POINTS))
+def test_a_failed_step_is_undone(tiny, dev, point, error, at, monkeypatch):
+    """An exception at any call of a step (prefill and decode; eager and CUDA-graph runs), on its 1st or 3rd call,
+    with chunked prefill and a pool tight enough to preempt: a Ctrl-C goes on to the caller, and the requests of
+    others that the step touched go back to waiting intact (they finish with their solo output); an error ends the
+    requests it touched with finish_reason 'error' (the rest finish as solo). Afterwards nothing is left, every block
+    is free, and the same requests give a fresh engine's output."""
+    if point in ("plan_run", "launch", "carry_on", "tokens") and dev.device == "cpu":
+        pytest.skip("CUDA-graph runs exist only on the GPU")
+    llm = make_llm(tiny, dev, num_kv_tokens=64, block_size=4, max_num_batched_tokens=16, num_scheduler_steps=4)
+    want = [solo(tiny, dev, p, q) for p, q in zip(FAULT_PROMPTS, FAULT_PARAMS)]
+    want_side = solo(tiny, dev, *FAULT_SIDE)
+    side = llm.add_request(*FAULT_SIDE)
+    error = error("injected")
+    calls = inject(monkeypatch, *FAULT_POINTS[point](llm), error, at)
+    outs = raised = None
+    try:
+        outs = llm.generate(FAULT_PROMPTS, FAULT_PARAMS)
+    except (Fault, KeyboardInterrupt) as e:
+        raised = e
+    assert calls[0] >= at, f"the step never reached {point} {at} times"
+    monkeypatch.undo()
+    if isinstance(error, KeyboardInterrupt):
+        assert raised is error
+    elif raised:  # only an error while scheduling, which no request can be blamed for, goes on to the caller
+        assert point == "schedule" or "schedule" in [f.name for f in traceback.extract_tb(raised.__traceback__)]
+    side_out = finish_by_steps(llm)[side]
+    if raised:  # the stream's own requests were aborted; the side request waited intact
+        assert side_out.token_ids == want_side and side_out.finish_reason == "length"
+    else:
+        failed = [o for o in outs + [side_out] if o.finish_reason == "error"]
+        assert failed and all("Fault: injected" in o.error for o in failed)
+        for o, w in zip(outs + [side_out], want + [want_side]):
+            assert o.finish_reason == "error" or (o.token_ids == w and o.finish_reason == "length")
+    assert_idle(llm)
+    assert [o.token_ids for o in llm.generate(FAULT_PROMPTS, FAULT_PARAMS)] == want
+    assert_idle(llm)
+
+
+def test_a_failing_sequence_append_leaves_none_stuck(tiny, monkeypatch):
+    """The reproducer: Sequence.append raising once (between the KV write and the new token) left a sequence that
+    was never scheduled again, holding its seat; with max_num_seqs=2 the next generate hung."""
+    llm = make_llm(tiny, CPU, max_num_seqs=2)
+    inject(monkeypatch, Sequence, "append", KeyboardInterrupt(), 1)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(["a", "b"], greedy(4))
+    assert_idle(llm)
+    assert llm.generate(["c"], greedy(4))[0].token_ids == solo(tiny, CPU, llm.tokenizer.encode("c"), greedy(4))
+
+
+def test_huge_top_k_is_off(tiny):
+    """top_k past the vocabulary (even past int32) means off; it once raised OverflowError inside every later step."""
+    llm = make_llm(tiny, CPU)
+    out = llm.generate(["Hello"], SamplingParams(top_k=2 ** 31, max_tokens=4, seed=3))[0]
+    assert out.finish_reason == "length"
+    assert out.token_ids == llm.generate(["Hello"], SamplingParams(top_k=0, max_tokens=4, seed=3))[0].token_ids
+    assert llm.generate(["Hello"], greedy(4))[0].finish_reason == "length"
+    assert_idle(llm)
+
+
+def test_abort_request(tiny, dev):
+    """abort_request stops a running and a waiting request at once (blocks freed before the next step), each with
+    a last event, finish_reason 'abort', its tokens a prefix of its solo output; the others finish as solo; an
+    unknown id is ignored."""
+    llm = make_llm(tiny, dev, max_num_seqs=2)
+    prompts = [random_ids(6 + i, 20 + i) for i in range(4)]
+    ids = [llm.add_request(p, greedy(12)) for p in prompts]
+    done = {}
+    for _ in range(3):
+        done.update((rid, out) for rid, _, out in llm.step() if out is not None)
+    free_before = llm.kv.allocator.num_free()
+    llm.abort_request([ids[0], ids[3], 12345])  # running; waiting (max_num_seqs=2); unknown
+    assert llm.kv.allocator.num_free() > free_before
+    done.update(finish_by_steps(llm))
+    assert set(done) == set(ids)
+    for rid, p in zip(ids, prompts):
+        want = solo(tiny, dev, p, greedy(12))
+        if rid in (ids[0], ids[3]):
+            assert done[rid].finish_reason == "abort" and done[rid].token_ids == want[:len(done[rid].token_ids)]
+        else:
+            assert done[rid].finish_reason == "length" and done[rid].token_ids == want
+    assert done[ids[3]].token_ids == []
+    assert_idle(llm)
+
+
+@pytest.mark.parametrize("how", ["break", "close", "consumer raises"])
+def test_a_stream_left_early_aborts_its_requests(tiny, dev, how):
+    """Breaking out of a stream, closing it, or an exception in its consumer aborts its requests at once: no block
+    stays taken, nothing is computed for them later."""
+    llm = make_llm(tiny, dev)
+    prompts = [random_ids(8, 30), random_ids(9, 31), random_ids(3, 32)]
+    if how == "break":
+        for _ in llm.stream(prompts, greedy(40)):
+            break  # the loop drops the generator: CPython closes it at once
+    elif how == "close":
+        stream = llm.stream(prompts, greedy(40))
+        next(stream)
+        stream.close()
+    else:
+        with pytest.raises(ZeroDivisionError):
+            for _ in llm.stream(prompts, greedy(40)):
+                1 / 0
+    assert_idle(llm)
+    assert llm.generate(["Hi"], greedy(5))[0].token_ids == solo(tiny, dev, llm.tokenizer.encode("Hi"), greedy(5))
+
+
+def test_bad_params_in_a_list_refuse_that_prompt_only(tiny):
+    """params=[ok, {}]: the second prompt is refused with an error naming SamplingParams, the first finishes."""
+    llm = make_llm(tiny, CPU)
+    outs = llm.generate(["Hello", "world"], [greedy(3), {}])
+    assert outs[0].finish_reason == "length" and outs[1].finish_reason == "error" and "SamplingParams" in outs[1].error
+    assert_idle(llm)
+
+
+def run_with_timeout(fn, timeout=120):
+    """fn() in a thread; a hang fails the test after `timeout` s instead of hanging it (no assertion about speed)."""
+    result = {}
+
+    def target():
+        try:
+            result["value"] = fn()
+        except BaseException as e:
+            result["error"] = e
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    assert not thread.is_alive(), f"still running after {timeout} s: hung"
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
+
+
+def test_streams_inside_a_stream(tiny, dev):
+    """A generate and a second stream run inside a stream's loop: every call gets its own requests' events, and all
+    finish with their solo outputs (a stream once dropped the events of others' requests and never ended)."""
+    llm, prompts = make_llm(tiny, dev), [random_ids(5 + i, 40 + i) for i in range(5)]
+
+    def nested():
+        outer, inner = {}, {}
+        for k, (i, _, out) in enumerate(llm.stream(prompts[:2], greedy(10))):
+            if k == 0:
+                inner["generate"] = llm.generate(prompts[2:4], greedy(6))
+                inner["stream"] = [o for _, _, o in llm.stream(prompts[4:], greedy(7)) if o is not None]
+            if out is not None:
+                outer[i] = out
+        return outer, inner
+    outer, inner = run_with_timeout(nested)
+    got = [outer[0], outer[1]] + inner["generate"] + inner["stream"]
+    lengths = [10, 10, 6, 6, 7]
+    assert [o.token_ids for o in got] == [solo(tiny, dev, p, greedy(n)) for p, n in zip(prompts, lengths)]
+    assert_idle(llm)
+
+
+def test_threads_share_one_engine(tiny, dev):
+    """Four threads call generate on one LLM at once, three times each: every output equals its solo run, nothing
+    hangs (a thread once raised ValueError from list.remove, and others hung), no block leaks."""
+    llm = make_llm(tiny, dev)
+    prompts = {t: [random_ids(4 + t + j, 50 + 10 * t + j) for j in range(3)] for t in range(4)}
+
+    def worker(t):
+        return [[o.token_ids for o in llm.generate(prompts[t], greedy(8 + t))] for _ in range(3)]
+    results = {}
+    threads = [threading.Thread(target=lambda t=t: results.__setitem__(t, worker(t)), daemon=True) for t in range(4)]
+    run_with_timeout(lambda: [th.start() for th in threads] and [th.join() for th in threads])
+    for t in range(4):
+        want = [solo(tiny, dev, p, greedy(8 + t)) for p in prompts[t]]
+        assert results[t] == [want] * 3
+    assert_idle(llm)
+
+
+REAL_CTRL_C = """
+import json, random, select, signal, sys
+import nanoinfer
+llm = nanoinfer.LLM(sys.argv[1], device="cpu", num_kv_tokens=512, block_size=4, max_num_batched_tokens=24)
+prompts = [list(range(100 + i, 130 + 7 * i)) for i in range(4)]
+params = nanoinfer.SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+want = [o.token_ids for o in llm.generate(prompts, params)]
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+print("ready", flush=True)
+runs = interrupted = 0
+while not select.select([sys.stdin], [], [], 0)[0]:
+    try:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        outs = llm.generate(prompts, params)
+    except KeyboardInterrupt:
+        outs = None
+    finally:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    runs, interrupted = runs + 1, interrupted + (outs is None)
+    assert outs is None or [o.token_ids for o in outs] == want, "wrong tokens after an interrupt"
+    assert not llm.has_unfinished() and llm.kv.allocator.num_free() == llm.kv.num_blocks, "left over after Ctrl-C"
+assert [o.token_ids for o in llm.generate(prompts, params)] == want
+print(json.dumps(dict(runs=runs, interrupted=interrupted)))
+"""
+
+
+def test_real_ctrl_c_never_leaves_the_engine_broken(tiny, tmp_path):
+    """30 real SIGINTs at random moments of generate (most inside a step): each raises KeyboardInterrupt from
+    generate, after which nothing is left queued, every block is free, and the next generate is right (a real
+    Ctrl-C once left a sequence that never finished, 1 time in 60)."""
+    child = subprocess.Popen([sys.executable, "-c", REAL_CTRL_C, str(tiny.path)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=HERE,
+                             env={**os.environ, "PYTHONPATH": str(HERE)})
+    try:
+        assert child.stdout.readline().strip() == "ready", child.stderr.read()
+        rng = np.random.default_rng()
+        for _ in range(30):
+            threading.Event().wait(rng.uniform(0.02, 0.15))
+            child.send_signal(signal.SIGINT)
+        out, err = child.communicate("stop\n", timeout=120)
+    finally:
+        child.kill()
+    assert child.returncode == 0, err
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["interrupted"] >= 20 and result["runs"] > result["interrupted"], result
+
+
+@pytest.mark.parametrize("name,value", [
+    ("max_num_seqs", 0), ("max_num_batched_tokens", 0), ("block_size", 0), ("block_size", -4), ("block_size", 2.0),
+    ("num_kv_tokens", 0), ("gpu_memory_utilization", 0), ("gpu_memory_utilization", 1.5), ("seed", -1),
+    ("num_scheduler_steps", 0), ("cuda_graphs", "yes"), ("dtype", "int8"), ("device", "tpu")])
+def test_bad_engine_arguments_raise(tiny, name, value):
+    """Each bad constructor argument raises ValueError naming it, before anything loads (max_num_seqs=0 once
+    made generate spin forever; block_size=0 divided by zero)."""
+    with pytest.raises(ValueError, match=name):
+        LLM(str(tiny.path), **{"device": "cpu", name: value})
+
+
+def test_kv_pool_is_never_larger_than_usable(tiny, capsys):
+    """The pool holds at most max_num_seqs full contexts (rounded up to blocks), whatever memory or num_kv_tokens
+    would allow, and one startup line says its tokens and GiB."""
+    llm = LLM(str(tiny.path), device="cpu", max_num_seqs=3, block_size=48)
+    assert llm.kv.num_blocks == 3 * -(-tiny.n_ctx // 48)
+    assert "KV cache: 432 tokens (0.00 GiB)" in capsys.readouterr().err
+    assert LLM(str(tiny.path), device="cpu", max_num_seqs=2, num_kv_tokens=10 ** 6).kv.num_blocks == 2 * 8
+    assert LLM(str(tiny.path), device="cpu", max_num_seqs=2, num_kv_tokens=20).kv.num_blocks == 2
+
+
+TWO_ENGINES = """
+import sys
+import nanoinfer
+llm = nanoinfer.LLM(sys.argv[1], device="cuda")
+print("ready", flush=True)
+sys.stdin.readline()
+print(llm.generate(["Hello"], nanoinfer.SamplingParams(max_tokens=5, temperature=0))[0].finish_reason, flush=True)
+"""
+
+
+@NO_GPU
+def test_two_engines_share_a_gpu(tmp_path):
+    """Two processes each start an engine with default settings on one GPU, at once, and both generate: the pool is
+    sized by what max_num_seqs can use (n_ctx 1024 here), not by 90 % of the GPU."""
+    ckpt = write_checkpoint(tmp_path / "ctx1024", seed=3, n_positions=1024)
+    env = {**os.environ, "PYTHONPATH": str(HERE)}
+    procs = [subprocess.Popen([sys.executable, "-c", TWO_ENGINES, str(ckpt.path)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for _ in range(2)]
+    try:
+        for p in procs:  # both engines are up at the same time
+            assert p.stdout.readline().strip() == "ready", p.communicate(timeout=60)[1]
+        results = [p.communicate("go\n", timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0] and [r[0].strip() for r in results] == ["length"] * 2, results
+
+
+# -----------------------------------------------------------------------------
+# configs: honoured (against transformers) or refused, naming the file
+
+@pytest.mark.parametrize("dev", EXACT_DEVICES)
+@pytest.mark.parametrize("config", [dict(tie_word_embeddings=False), dict(scale_attn_by_inverse_layer_idx=True),
+                                    dict(reorder_and_upcast_attn=True), dict(scale_attn_weights=False),
+                                    dict(vocab_size=50304)], ids=lambda c: next(iter(c)))
+def test_config_settings_are_honoured(tmp_path, dev, config):
+    """An untied lm_head, attention scaled by 1/layer, reordered upcast attention, unscaled attention, and an
+    embedding padded to 50304 (nanoGPT's) give transformers' logits; the padding is never sampled (it once was, and
+    decoding it raised KeyError)."""
+    ckpt = write_checkpoint(tmp_path / "m", seed=4, **config)
+    llm = make_llm(ckpt, dev)
+    ids = random_ids(40, 9)
+    ours = Driver(llm).step([(0, ids)])[0]
+    ref = hf_logits(ckpt, ids)[:, :50257]
+    assert ours.shape == ref.shape and rel_err(ours, ref) < dev.tol
+    if "vocab_size" in config:  # temperature 5 makes the random padding rows likely, were they in the logits
+        out = llm.generate(["Hello"], SamplingParams(max_tokens=100, temperature=5.0, seed=1, ignore_eos=True))[0]
+        assert out.finish_reason == "length" and max(out.token_ids) < 50257
+
+
+def _edit_config(ckpt, tmp_path, edit):
+    d = tmp_path / "model"
+    shutil.copytree(ckpt.path, d)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps(edit(cfg)))
+    return d
+
+
+BAD_CONFIGS = {  # how: (edit of config.json, words the error must hold)
+    "missing key": (lambda c: {k: v for k, v in c.items() if k != "n_embd"}, ["config.json", "n_embd"]),
+    "a JSON list": (lambda c: [c], ["config.json", "list"]),
+    "n_head 0": (lambda c: {**c, "n_head": 0}, ["config.json", "n_head"]),
+    "n_head 3": (lambda c: {**c, "n_head": 3}, ["config.json", "n_head=3"]),
+    "fewer layers than the weights": (lambda c: {**c, "n_layer": 1}, ["model.safetensors", "n_layer=1"]),
+    "more layers than the weights": (lambda c: {**c, "n_layer": 3}, ["model.safetensors", "h.2"]),
+    "vocab smaller than the tokenizer": (lambda c: {**c, "vocab_size": 1000}, ["vocab_size", "1000"]),
+    "cross-attention": (lambda c: {**c, "add_cross_attention": True}, ["config.json", "add_cross_attention"]),
+    "tie_word_embeddings not a bool": (lambda c: {**c, "tie_word_embeddings": "no"}, ["tie_word_embeddings"]),
+}
+
+
+@pytest.mark.parametrize("how", list(BAD_CONFIGS))
+def test_bad_configs_refused_naming_the_file(tiny, tmp_path, how):
+    """Each config that would load and then compute wrong logits, or crash later, is refused at load with an error
+    naming the file and the setting (these once gave silently wrong logits, a reshape error or a KeyError)."""
+    edit, words = BAD_CONFIGS[how]
+    with pytest.raises(ValueError) as e:
+        LLM(str(_edit_config(tiny, tmp_path, edit)), device="cpu", num_kv_tokens=256)
+    assert all(w in str(e.value) for w in words), str(e.value)
+
+
+def test_vocab_without_endoftext_refused(tiny, tmp_path):
+    d = tmp_path / "model"
+    shutil.copytree(tiny.path, d)
+    vocab = json.loads((d / "vocab.json").read_text())
+    del vocab["<|endoftext|>"]
+    (d / "vocab.json").write_text(json.dumps(vocab))
+    with pytest.raises(ValueError, match=r"vocab\.json.*<\|endoftext\|>"):
+        LLM(str(d), device="cpu", num_kv_tokens=256)
+
+
+# -----------------------------------------------------------------------------
+# the command line: exit codes, and never a traceback
+
+def run_sample(args, patch="", timeout=120, **popen):
+    """sample.py in a subprocess (after `patch`, Python run first in it); returns the Popen."""
+    code = ("import runpy, sys, time\nimport nanoinfer\n" + patch +
+            f"\nsys.argv = ['sample.py'] + {list(args)!r}\nrunpy.run_path({str(HERE / 'sample.py')!r}, "
+            "run_name='__main__')")
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=HERE,
+                            env={**os.environ, "PYTHONPATH": str(HERE)}, **popen)
+
+
+SLOW_STEPS = """
+step = nanoinfer.LLM._step
+def slow_step(self):
+    time.sleep(0.02)
+    return step(self)
+nanoinfer.LLM._step = slow_step
+"""
+
+
+def test_cli_refused_prompt_exits_1(tiny):
+    p = run_sample(["--model", str(tiny.path), "--device", "cpu", "--prompt", "Hi", "--prompt", "a " * 200,
+                    "--max-new-tokens", "5"])
+    out, err = (s.decode() for s in p.communicate(timeout=120))
+    assert p.returncode == 1 and "prompt 2 refused" in err and "context" in err and "Traceback" not in err
+    assert out.startswith("--- [1/2] ---\nHi") and "refused" not in out
+
+
+def test_cli_ctrl_c_exits_130_with_the_text_so_far(tiny):
+    p = run_sample(["--model", str(tiny.path), "--device", "cpu", "--prompt", "Hello", "--max-new-tokens", "120",
+                    "--temperature", "0"], SLOW_STEPS)
+    first = p.stdout.read1(1000).decode()  # some text is on screen: generation is under way
+    p.send_signal(signal.SIGINT)
+    out, err = (s.decode() for s in p.communicate(timeout=120))
+    assert p.returncode == 130 and "Traceback" not in err, err
+    assert (first + out).startswith("Hello") and "[interrupted]" in out
+
+
+def test_cli_ctrl_c_while_loading(tiny):
+    patch = "def slow(*a):\n    print('LOADING', file=sys.stderr, flush=True)\n    time.sleep(60)\n" \
+            "nanoinfer.load_weights = slow"
+    p = run_sample(["--model", str(tiny.path), "--device", "cpu"], patch)
+    assert p.stderr.readline().decode().strip().endswith("LOADING")
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 130 and b"Traceback" not in err, err
+
+
+def test_cli_closed_pipe(tiny):
+    """`python sample.py ... | head -c 20`: the reader leaves early; sample.py stops without a traceback."""
+    p = run_sample(["--model", str(tiny.path), "--device", "cpu", "--prompt", "Hello", "--max-new-tokens", "120"],
+                   SLOW_STEPS)
+    assert len(p.stdout.read(20)) == 20
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=120) == 141 and "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+@pytest.mark.parametrize("how", ["missing weights", "not gpt2", "truncated", "n_head 3", "a JSON list"])
+def test_cli_bad_model_or_flag_never_a_traceback(tiny, tmp_path, how):
+    if how in BAD_CONFIGS:
+        path = _edit_config(tiny, tmp_path, BAD_CONFIGS[how][0])
+    else:
+        path, _ = _corrupt(tiny, tmp_path, how)
+    p = run_sample(["--model", str(path), "--device", "cpu"])
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 1 and err.decode().startswith("error: ") and b"Traceback" not in err, err
+    p = run_sample(["--model", str(tiny.path), "--top-p", "1.5"])
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 2 and b"top_p" in err and b"Traceback" not in err, err
 
 
 # -----------------------------------------------------------------------------
