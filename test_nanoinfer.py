@@ -858,7 +858,7 @@ FAULT_POINTS = {  # a step's calls, in order; the last four exist only in CUDA-g
     "carry_on": lambda llm: (cuda_backend.DecodeGraph, "carry_on"), "tokens": lambda llm: (cuda_backend.GraphRun, "tokens"),
 }
 FAULT_PROMPTS = [random_ids(20, 1), random_ids(5, 2), random_ids(9, 3)]
-FAULT_PARAMS = [greedy(12), greedy(14), greedy(8, logprobs=2)]  # logprobs: an eager decode on the GPU too
+FAULT_PARAMS = [greedy(24), greedy(30), greedy(8, logprobs=2)]  # logprobs: an eager decode on the GPU too
 FAULT_SIDE = (random_ids(7, 4), greedy(10))  # a request of add_request's, in the same batches
 
 
@@ -874,7 +874,7 @@ def test_a_failed_step_is_undone(tiny, dev, point, error, at, monkeypatch):
     is free, and the same requests give a fresh engine's output."""
     if point in ("plan_run", "launch", "carry_on", "tokens") and dev.device == "cpu":
         pytest.skip("CUDA-graph runs exist only on the GPU")
-    llm = make_llm(tiny, dev, num_kv_tokens=64, block_size=4, max_num_batched_tokens=16, num_scheduler_steps=4)
+    llm = make_llm(tiny, dev, num_kv_tokens=64, block_size=4, max_num_batched_tokens=16, num_scheduler_steps=2)
     want = [solo(tiny, dev, p, q) for p, q in zip(FAULT_PROMPTS, FAULT_PARAMS)]
     want_side = solo(tiny, dev, *FAULT_SIDE)
     side = llm.add_request(*FAULT_SIDE)
@@ -925,15 +925,16 @@ def test_huge_top_k_is_off(tiny):
     assert_idle(llm)
 
 
+@pytest.mark.parametrize("dev", EXACT_DEVICES)
 def test_abort_request(tiny, dev):
     """abort_request stops a running and a waiting request at once (blocks freed before the next step), each with
     a last event, finish_reason 'abort', its tokens a prefix of its solo output; the others finish as solo; an
     unknown id is ignored."""
     llm = make_llm(tiny, dev, max_num_seqs=2)
     prompts = [random_ids(6 + i, 20 + i) for i in range(4)]
-    ids = [llm.add_request(p, greedy(12)) for p in prompts]
+    ids = [llm.add_request(p, greedy(100)) for p in prompts]
     done = {}
-    for _ in range(3):
+    for _ in range(2):  # a prefill, and a decode step (or a run of up to 16)
         done.update((rid, out) for rid, _, out in llm.step() if out is not None)
     free_before = llm.kv.allocator.num_free()
     llm.abort_request([ids[0], ids[3], 12345])  # running; waiting (max_num_seqs=2); unknown
@@ -941,7 +942,7 @@ def test_abort_request(tiny, dev):
     done.update(finish_by_steps(llm))
     assert set(done) == set(ids)
     for rid, p in zip(ids, prompts):
-        want = solo(tiny, dev, p, greedy(12))
+        want = solo(tiny, dev, p, greedy(100))
         if rid in (ids[0], ids[3]):
             assert done[rid].finish_reason == "abort" and done[rid].token_ids == want[:len(done[rid].token_ids)]
         else:
@@ -951,6 +952,7 @@ def test_abort_request(tiny, dev):
 
 
 @pytest.mark.parametrize("how", ["break", "close", "consumer raises"])
+@pytest.mark.parametrize("dev", EXACT_DEVICES)
 def test_a_stream_left_early_aborts_its_requests(tiny, dev, how):
     """Breaking out of a stream, closing it, or an exception in its consumer aborts its requests at once: no block
     stays taken, nothing is computed for them later."""
@@ -997,6 +999,7 @@ def run_with_timeout(fn, timeout=120):
     return result["value"]
 
 
+@pytest.mark.parametrize("dev", EXACT_DEVICES)
 def test_streams_inside_a_stream(tiny, dev):
     """A generate and a second stream run inside a stream's loop: every call gets its own requests' events, and all
     finish with their solo outputs (a stream once dropped the events of others' requests and never ended)."""
@@ -1018,6 +1021,7 @@ def test_streams_inside_a_stream(tiny, dev):
     assert_idle(llm)
 
 
+@pytest.mark.parametrize("dev", EXACT_DEVICES)
 def test_threads_share_one_engine(tiny, dev):
     """Four threads call generate on one LLM at once, three times each: every output equals its solo run, nothing
     hangs (a thread once raised ValueError from list.remove, and others hung), no block leaks."""
