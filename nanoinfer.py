@@ -38,11 +38,14 @@ class GPTConfig:
     n_embd: int
     n_ctx: int
     vocab_size: int  # rows of the embedding; may be padded past the tokenizer's tokens (nanoGPT pads to 50304)
-    n_inner: int  # the MLP's width, 4 * n_embd in every OpenAI GPT-2
+    n_inner: int = None  # the MLP's width; None: 4 * n_embd, as in every OpenAI GPT-2
     eps: float = 1e-5
     tie_word_embeddings: bool = True  # the lm_head is the embedding matrix; else the checkpoint has lm_head.weight
     scale_attn_weights: bool = True  # scores / sqrt(head_dim)
     scale_attn_by_inverse_layer_idx: bool = False  # scores / (layer index + 1) too
+
+    def __post_init__(self):
+        self.n_inner = self.n_inner or 4 * self.n_embd
 
     @property
     def head_dim(self):
@@ -116,7 +119,7 @@ def load_config(path):
         raise ValueError(f"{f}: n_embd={n_embd} does not split into n_head={n_head} heads of equal size")
     return GPTConfig(n_layer=get("n_layer"), n_head=n_head, n_embd=n_embd,
                      n_ctx=get("n_positions", cfg.get("n_ctx", 1024)), vocab_size=get("vocab_size"),
-                     n_inner=4 * n_embd if cfg.get("n_inner") is None else get("n_inner"),
+                     n_inner=None if cfg.get("n_inner") is None else get("n_inner"),
                      eps=get("layer_norm_epsilon", 1e-5, float),
                      tie_word_embeddings=get("tie_word_embeddings", True, bool),
                      scale_attn_weights=get("scale_attn_weights", True, bool),
