@@ -14,7 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
-from nanoinfer import LLM, Batch, GPTConfig, SamplingParams, expected_shapes
+from checkpoint import GPTConfig, expected_shapes
+from nanoinfer import LLM, Batch, SamplingParams
 from paged_kv import PagedKVCache
 
 SIZES = {"gpt2": (12, 12, 768), "gpt2-medium": (24, 16, 1024), "gpt2-large": (36, 20, 1280), "gpt2-xl": (48, 25, 1600)}

@@ -1,0 +1,205 @@
+"""A GPT-2 model directory as Hugging Face lays it out: config.json, model.safetensors, vocab.json and merges.txt.
+
+Fetched by name through the Hugging Face cache, or read from a local directory. Every setting and tensor is checked
+against what the engine computes, and an error names the file and says what to do.
+"""
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+# -----------------------------------------------------------------------------
+# config and weights
+
+HF_REPOS = {"gpt2": "openai-community/gpt2", "gpt2-medium": "openai-community/gpt2-medium",
+            "gpt2-large": "openai-community/gpt2-large", "gpt2-xl": "openai-community/gpt2-xl",
+            "distilgpt2": "distilbert/distilgpt2"}
+MODEL_FILES = ("config.json", "model.safetensors", "vocab.json", "merges.txt")
+
+
+@dataclass
+class GPTConfig:
+    n_layer: int
+    n_head: int
+    n_embd: int
+    n_ctx: int
+    vocab_size: int  # rows of the embedding; may be padded past the tokenizer's tokens (nanoGPT pads to 50304)
+    n_inner: int = None  # the MLP's width; None: 4 * n_embd, as in every OpenAI GPT-2
+    eps: float = 1e-5
+    tie_word_embeddings: bool = True  # the lm_head is the embedding matrix; else the checkpoint has lm_head.weight
+    scale_attn_weights: bool = True  # scores / sqrt(head_dim)
+    scale_attn_by_inverse_layer_idx: bool = False  # scores / (layer index + 1) too
+
+    def __post_init__(self):
+        self.n_inner = self.n_inner or 4 * self.n_embd
+
+    @property
+    def head_dim(self):
+        return self.n_embd // self.n_head
+
+    def attention_scale(self, layer):
+        scale = 1 / math.sqrt(self.head_dim) if self.scale_attn_weights else 1.0
+        return scale / (layer + 1) if self.scale_attn_by_inverse_layer_idx else scale
+
+
+def resolve_model(model):
+    """A local directory as it is, or a GPT-2 name fetched through the Hugging Face cache (downloaded once)."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    if model not in HF_REPOS:
+        raise FileNotFoundError(f"--model {model!r} is neither a directory nor one of {', '.join(HF_REPOS)}: "
+                                "pass a GPT-2 name or a directory holding " + ", ".join(MODEL_FILES))
+    from huggingface_hub import hf_hub_download
+    try:  # the cached copy first, with no network round trip; else download, with a progress bar
+        files = [hf_hub_download(HF_REPOS[model], name, local_files_only=True) for name in MODEL_FILES]
+    except Exception:
+        files = None
+    try:
+        files = files or [hf_hub_download(HF_REPOS[model], name) for name in MODEL_FILES]
+    except Exception as e:
+        raise RuntimeError(
+            f"could not download {model} ({HF_REPOS[model]}) from the Hugging Face Hub, and no cached copy is there "
+            f"({type(e).__name__}: {e}). Connect to the network once (the files are cached for later), or pass "
+            "--model PATH to a local directory holding " + ", ".join(MODEL_FILES)) from None
+    return Path(files[0]).parent
+
+
+def _need(path, name):
+    f = path / name
+    if not f.is_file():
+        raise FileNotFoundError(f"{f} is missing: a GPT-2 model directory holds " + ", ".join(MODEL_FILES))
+    return f
+
+
+def load_config(path):
+    """GPTConfig from config.json. Every setting is checked, naming the file; one that would make transformers compute
+    something nanoinfer does not (cross-attention, another activation) is refused."""
+    f = _need(path, "config.json")
+    try:
+        cfg = json.loads(f.read_text())
+    except ValueError as e:
+        raise ValueError(f"{f} is not valid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{f} holds a JSON {type(cfg).__name__}, not an object of GPT-2 settings")
+
+    def get(key, default=None, kind=int):
+        if key not in cfg and default is None:
+            raise ValueError(f"{f} has no {key!r}: a GPT-2 config names n_layer, n_head, n_embd and vocab_size")
+        value = cfg.get(key, default)
+        ok = isinstance(value, bool) if kind is bool else \
+            isinstance(value, (int, float) if kind is float else int) and not isinstance(value, bool) and value > 0
+        if not ok:
+            raise ValueError(f"{f}: {key}={value!r}, must be " + ("true or false" if kind is bool else "a number > 0"))
+        return value
+
+    if cfg.get("model_type") != "gpt2":
+        raise ValueError(f"{f} says model_type={cfg.get('model_type')!r}: nanoinfer runs GPT-2 models only")
+    if cfg.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
+        raise ValueError(f"{f}: activation_function={cfg['activation_function']!r}; nanoinfer has GPT-2's tanh GELU")
+    if get("add_cross_attention", False, bool):
+        raise ValueError(f"{f}: add_cross_attention=true; nanoinfer runs decoder-only GPT-2 without cross-attention")
+    get("reorder_and_upcast_attn", False, bool)  # only where transformers rounds: our attention scores are fp32 anyway
+    n_embd, n_head = get("n_embd"), get("n_head")
+    if n_embd % n_head:
+        raise ValueError(f"{f}: n_embd={n_embd} does not split into n_head={n_head} heads of equal size")
+    return GPTConfig(n_layer=get("n_layer"), n_head=n_head, n_embd=n_embd,
+                     n_ctx=get("n_positions", cfg.get("n_ctx", 1024)), vocab_size=get("vocab_size"),
+                     n_inner=None if cfg.get("n_inner") is None else get("n_inner"),
+                     eps=get("layer_norm_epsilon", 1e-5, float),
+                     tie_word_embeddings=get("tie_word_embeddings", True, bool),
+                     scale_attn_weights=get("scale_attn_weights", True, bool),
+                     scale_attn_by_inverse_layer_idx=get("scale_attn_by_inverse_layer_idx", False, bool))
+
+
+def expected_shapes(c):
+    """Every tensor of a GPT-2 checkpoint, in Hugging Face's names and layout (Conv1D weights are (in, out))."""
+    C, F = c.n_embd, c.n_inner
+    shapes = {"wte.weight": (c.vocab_size, C), "wpe.weight": (c.n_ctx, C), "ln_f.weight": (C,), "ln_f.bias": (C,)}
+    if not c.tie_word_embeddings:
+        shapes["lm_head.weight"] = (c.vocab_size, C)  # already (out, in): an nn.Linear, not a Conv1D
+    for i in range(c.n_layer):
+        shapes.update({f"h.{i}.ln_1.weight": (C,), f"h.{i}.ln_1.bias": (C,),
+                       f"h.{i}.attn.c_attn.weight": (C, 3 * C), f"h.{i}.attn.c_attn.bias": (3 * C,),
+                       f"h.{i}.attn.c_proj.weight": (C, C), f"h.{i}.attn.c_proj.bias": (C,),
+                       f"h.{i}.ln_2.weight": (C,), f"h.{i}.ln_2.bias": (C,),
+                       f"h.{i}.mlp.c_fc.weight": (C, F), f"h.{i}.mlp.c_fc.bias": (F,),
+                       f"h.{i}.mlp.c_proj.weight": (F, C), f"h.{i}.mlp.c_proj.bias": (C,)})
+    return shapes
+
+
+def load_weights(path, config):
+    """numpy float32 weights, every matmul weight transposed once to (out, in): y = x @ w.T everywhere."""
+    from safetensors import safe_open
+    f = _need(path, "model.safetensors")
+    try:
+        with safe_open(f, framework="np") as st:
+            # save_pretrained of GPT2LMHeadModel prefixes "transformer."; the Hub's files do not
+            tensors = {k.removeprefix("transformer."): st.get_tensor(k) for k in st.keys()}
+    except Exception as e:
+        raise ValueError(f"{f} cannot be read as safetensors ({e}): the file is truncated or corrupt; "
+                         "delete it and download or save it again") from None
+    layers = {int(k.split(".")[1]) for k in tensors if k.startswith("h.") and k.split(".")[1].isdigit()}
+    if layers and max(layers) >= config.n_layer:
+        raise ValueError(f"{f} holds {max(layers) + 1} layers, but config.json says n_layer={config.n_layer}: "
+                         "the two files do not belong together")
+    weights = {}
+    for name, shape in expected_shapes(config).items():
+        if name not in tensors:
+            raise ValueError(f"{f} has no tensor {name!r}: is this a GPT-2 checkpoint matching its config.json?")
+        if tensors[name].shape != shape:
+            raise ValueError(f"{f}: tensor {name!r} has shape {tensors[name].shape}, config.json implies {shape}")
+        w = tensors[name].astype(np.float32)
+        is_conv1d = name.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight"))
+        weights[name] = np.ascontiguousarray(w.T) if is_conv1d else w
+    return weights
+
+# -----------------------------------------------------------------------------
+# tokenizer: tiktoken's fast BPE, built from the model directory's own vocab.json + merges.txt
+
+GPT2_SPLIT = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+
+
+def bytes_to_unicode():
+    """GPT-2's files spell every byte as a printable character; this is that map."""
+    n, mapping = 0, {}
+    for b in range(256):
+        if ord("!") <= b <= ord("~") or ord("¡") <= b <= ord("¬") or ord("®") <= b <= ord("ÿ"):  # printable as is
+            mapping[b] = chr(b)
+        else:
+            mapping[b] = chr(256 + n)
+            n += 1
+    return mapping
+
+
+class Tokenizer:
+    def __init__(self, path):
+        import tiktoken
+        vocab_file, merges_file = _need(path, "vocab.json"), _need(path, "merges.txt")
+        try:
+            vocab = json.loads(vocab_file.read_text(encoding="utf-8"))
+            self.eot_token = vocab.pop("<|endoftext|>")
+            byte_of = {ch: b for b, ch in bytes_to_unicode().items()}
+            # GPT-2's token ids are its merge ranks, which is exactly what tiktoken wants
+            ranks = {bytes(byte_of[ch] for ch in tok): i for tok, i in vocab.items()}
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{vocab_file} is not a GPT-2 vocabulary holding <|endoftext|> "
+                             f"({type(e).__name__}: {e})") from None
+        merges = [l for l in merges_file.read_text(encoding="utf-8").split("\n")[1:] if l]
+        if len(merges) != len(ranks) - 256:
+            raise ValueError(f"{merges_file} has {len(merges)} merges but {vocab_file} implies {len(ranks) - 256}: "
+                             "the two files do not belong together")
+        self.enc = tiktoken.Encoding("gpt2-local", pat_str=GPT2_SPLIT, mergeable_ranks=ranks,
+                                     special_tokens={"<|endoftext|>": self.eot_token})
+        self.n_vocab = self.enc.n_vocab  # the tokens it can decode: a padded embedding has more rows
+
+    def encode(self, text):
+        return self.enc.encode(text, allowed_special="all")
+
+    def decode(self, ids):
+        return self.enc.decode(ids)
+
+    def token_bytes(self, token):
+        return self.enc.decode_single_token_bytes(token)
