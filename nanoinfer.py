@@ -218,7 +218,8 @@ class SamplingParams:
              "a number >= 0 (0 is greedy)"),
             ("top_p", self.top_p, is_number(self.top_p) and 0 < self.top_p <= 1, "a number in (0, 1]"),
             ("top_k", self.top_k, is_int(self.top_k, -1), "an integer >= -1 (0 or -1 is off)"),
-            ("seed", self.seed, self.seed is None or is_int(self.seed, 0, 2 ** 64 - 1), "None or an integer in [0, 2**64)"),
+            ("seed", self.seed, self.seed is None or is_int(self.seed, 0, 2 ** 64 - 1),
+             "None or an integer in [0, 2**64)"),
             ("stop", self.stop, self.stop is None or stop_ok, "None, a string, or a list of non-empty strings"),
             ("ignore_eos", self.ignore_eos, isinstance(self.ignore_eos, bool), "True or False"),
             ("logprobs", self.logprobs, self.logprobs is None or is_int(self.logprobs, 0, 20),
@@ -346,8 +347,8 @@ class LLM:
                 budget = total * fraction - (total - free) - 2 ** 30  # 1 GiB for activations, logits and CUDA graphs
             if budget < per_token * c.n_ctx:
                 raise RuntimeError(f"the KV cache would hold only {int(max(budget, 0) // per_token)} tokens, less than "
-                                   f"one full context ({c.n_ctx}): raise gpu_memory_utilization, free GPU memory (other "
-                                   "processes hold some), or pass num_kv_tokens")
+                                   f"one full context ({c.n_ctx}): raise gpu_memory_utilization, free GPU memory "
+                                   "(other processes hold some), or pass num_kv_tokens")
             num_kv_tokens = int(budget // per_token)
         blocks = min(-(-num_kv_tokens // block_size), max_num_seqs * -(-c.n_ctx // block_size))
         log(f"KV cache: {blocks * block_size:,} tokens ({blocks * block_size * per_token / 2 ** 30:.2f} GiB), "
