@@ -43,7 +43,8 @@ KERNELS_CU = Path(__file__).with_name("kernels.cu")
 TC_TILES = ((128, 128, 3), (128, 144, 3), (128, 128, 4), (64, 128, 3), (64, 128, 8), (64, 32, 8))  # BM, BN, stages
 TEMPLATES = [f"matmul_tc<{bm},{bn},{s}>" for bm, bn, s in TC_TILES] + ["matmul_gemv<4>", "matmul_gemv<8>"] + [
     f"{k}<{t}>" for t in ("float", "half") for k in ("layernorm", "embed", "cache_write", "attention_decode")]
-PLAIN = ["matmul_f32", "matmul_skinny", "attention_prefill", "sample_tokens", "decode_advance", "take_rows"]
+PLAIN = ["matmul_f32", "matmul_skinny", "attention_prefill", "penalize", "sample_tokens", "decode_advance",
+         "take_rows"]
 GEMV_SMEM = 224 * 1024  # matmul_gemv keeps x in shared memory: K * 2 bytes at most
 SAMPLE_SMEM = 204 * 1024  # sample_tokens caches a row's p in shared memory up to V = 52224
 
@@ -380,6 +381,15 @@ class CudaBackend:
                          self._counters))
         return out
 
+    def penalize(self, logits, e):
+        """NumpyBackend.penalize, in place on the (R, V) fp32 logits."""
+        logits, E = self._contiguous(logits, np.float32), len(e.ids)
+        if E:
+            self.launch("penalize", (-(-E // 256),), (256,), (logits, np.int32(logits.shape[1]), *(
+                cp.asarray(a) for a in (e.rows, e.ids, e.output_counts, e.banned)), np.int32(E), *(
+                cp.asarray(a) for a in (e.repetition, e.presence, e.frequency))))
+        return logits
+
     def sample_device(self, logits, temperature, top_k, top_p, seed, step):
         """sample() without the copy back: the (R,) int32 token ids on the GPU."""
         logits = self._contiguous(logits, np.float32)
@@ -558,7 +568,8 @@ class GraphRunner:
     """The engine's runner on CUDA. Decode batches (each sequence computes its last token and samples, none wants
     logprobs) replay CUDA graphs in runs of up to MAX_STEPS_PER_RUN steps; before it waits for a run's tokens, it
     launches the next, which goes on where that one stops, so the GPU computes while the host turns tokens into text.
-    Other batches (prefill, logprobs) run eagerly. One stream: a run ends before later work reuses its blocks."""
+    Other batches (prefill, logprobs, penalties) run eagerly. One stream: a run ends before later work reuses its
+    blocks."""
     def __init__(self, model, kv, scheduler, steps_per_run=MAX_STEPS_PER_RUN):
         self.model, self.kv, self.scheduler, self.n_ctx = model, kv, scheduler, model.config.n_ctx
         self.steps_per_run = min(steps_per_run, MAX_STEPS_PER_RUN)
@@ -597,9 +608,10 @@ class GraphRunner:
         return run.tokens()[:, [row_of[s.seq_id] for s in seqs]], None
 
     def _graph_run(self, batch, seqs):
-        """The run for this batch: in flight, or launched now; None if no graph's (prefill, logprobs, too many rows)."""
+        """The run for this batch: in flight, or launched now; None if no graph's (prefill, logprobs, penalties, too
+        many rows)."""
         if len(batch.input_ids) != len(seqs) or len(seqs) > max(self.graphs) or \
-                any(s.logprobs is not None for s in seqs):
+                any(s.logprobs is not None or s.edits_logits for s in seqs):
             return None
         run = self.in_flight
         if run and all(run.first_positions.get(s.seq_id) == len(s.token_ids) - 1 for s in seqs):

@@ -14,9 +14,10 @@
 //   7. matmul_skinny     the same for 2-8 rows of x, on mma.sync with w as the A operand
 //   8. matmul_tc         the tiled tensor-core matmul on wgmma (prefill, decode batches of 9 and more)
 //   9. attention_prefill causal FlashAttention-2 over the paged KV cache, on mma.sync
-//  10. sample_tokens     one token per row of logits: greedy, temperature, top-k, top-p, no sort
-//  11. decode_advance    CUDA-graph helper: the next decode step's inputs, made on the GPU
-//  12. take_rows         CUDA-graph helper: out[i] = src[rows[i]]
+//  10. penalize          the logits processors before sampling: repetition, presence, frequency penalties, bans
+//  11. sample_tokens     one token per row of logits: greedy, temperature, top-k, top-p, no sort
+//  12. decode_advance    CUDA-graph helper: the next decode step's inputs, made on the GPU
+//  13. take_rows         CUDA-graph helper: out[i] = src[rows[i]]
 
 #include <cuda_fp16.h>
 #define NEG_INF __int_as_float(0xff800000)
@@ -929,7 +930,20 @@ extern "C" __global__ void __launch_bounds__(128) attention_prefill(
     }
 }
 
-// 10. sample_tokens: one token per row of fp32 logits (R, V), as sample_row in nanoinfer.py defines it (greedy;
+// 10. penalize: NumpyBackend.penalize, one thread per (row, token) entry; the host lists each pair once, so no two
+// threads write one logit. Only the logits of tokens a sequence has seen change: bytes ~ 4 * 12 per entry.
+extern "C" __global__ void penalize(float* logits, int V, const int* rows, const int* ids, const int* output_counts,
+                                    const bool* banned, int E, const float* repetition, const float* presence,
+                                    const float* frequency) {
+    const int e = blockIdx.x * blockDim.x + threadIdx.x;
+    if (e >= E) return;
+    const int row = rows[e], n = output_counts[e];
+    float* x = logits + (long)row * V + ids[e];
+    const float r = repetition[row], v = *x > 0.f ? *x / r : *x * r;
+    *x = banned[e] ? NEG_INF : v - frequency[row] * n - (n > 0 ? presence[row] : 0.f);
+}
+
+// 11. sample_tokens: one token per row of fp32 logits (R, V), as sample_row in nanoinfer.py defines it (greedy;
 // temperature; top-k, top-p as thresholds on p = exp((logit - max) / temperature); a counter-based splitmix64 uniform
 // u; the first index whose running sum of kept p exceeds u * kept mass). A block per row: only R token ids leave the
 // GPU. No sort: for p >= 0 float bits order like values, so a binary search over bit patterns (~30 passes over p,
@@ -1053,7 +1067,7 @@ extern "C" __global__ void __launch_bounds__(1024, 1) sample_tokens(
 }
 
 // ---------------------------------------------------------------------------------------------
-// CUDA-graph helpers. 11. decode_advance: a graph decode step's last kernel, so the next step needs no host (multi-step
+// CUDA-graph helpers. 12. decode_advance: a graph decode step's last kernel, so the next step needs no host (multi-step
 // decoding). Each row's sampled token goes to a ring of history rows (row substep % ring: one run's rows can be read
 // while the next writes). A live row moves on: its token becomes its next input, position and context length grow by
 // one, its new KV slot comes from its block table (blocks the engine reserved), its sampling counter steps; but after
@@ -1081,7 +1095,7 @@ extern "C" __global__ void decode_advance(const int* tokens, int* input_ids, int
     slot_mapping[i] = blk < max_blocks ? block_tables[(long)i * max_blocks + blk] * block_size + pos % block_size : -1;
 }
 
-// 12. take_rows: out[i] = src[rows[i]] for i < n. When the decode rows that go on fit a smaller CUDA graph,
+// 13. take_rows: out[i] = src[rows[i]] for i < n. When the decode rows that go on fit a smaller CUDA graph,
 // their next input tokens (left on the GPU by decode_advance) move into its buffer without the host. Tiny.
 extern "C" __global__ void take_rows(const int* src, const int* rows, int* out, int n) {
     const int i = threadIdx.x;

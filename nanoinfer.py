@@ -13,7 +13,7 @@ import signal
 import sys
 import threading
 import traceback
-from collections import deque, namedtuple
+from collections import Counter, deque, namedtuple
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -122,6 +122,16 @@ class NumpyBackend:
             out[q0:q1] = ((att / att.sum(-1, keepdims=True)) @ v).transpose(1, 0, 2)  # (n_q, H, D)
         return out
 
+    def penalize(self, logits, e):
+        """The logits processors, before sampling: for each (row, token) of e (a Penalties), the repetition penalty
+        (a positive logit divided by it, a negative one multiplied), then the presence and frequency penalties
+        (subtracted, the second once per time the token is in the output); a token banned gets -inf."""
+        logits = logits.copy()
+        x, r, n = logits[e.rows, e.ids], e.repetition[e.rows], e.output_counts
+        x = np.where(x > 0, x / r, x * r) - e.frequency[e.rows] * n - e.presence[e.rows] * (n > 0)
+        logits[e.rows, e.ids] = np.where(e.banned, -np.inf, x)
+        return logits
+
     def sample(self, logits, temperature, top_k, top_p, seed, step):
         u = uniform(seed, step)  # float64 below: the running sum over 50257 probabilities stays exact
         return np.array([sample_row(logits[r].astype(np.float64), temperature[r], top_k[r], top_p[r], u[r])
@@ -205,13 +215,21 @@ class SamplingParams:
     top_k: int = 0  # 0 (or -1, vLLM's spelling) is off, as is any k >= the vocabulary
     seed: int = None  # a seeded request samples the same tokens whatever else is in the batch
     stop: list = None  # strings that end the request (not included in the text)
+    stop_token_ids: list = None  # token ids that end the request, as EOS does
+    include_stop_str_in_output: bool = False  # keep the stop string, or the stop token's text
     ignore_eos: bool = False
+    min_tokens: int = 0  # EOS and stop_token_ids cannot be sampled, nor stop strings end it, before this many
+    repetition_penalty: float = 1.0  # > 1 discourages every token seen (prompt and output): logit / r if > 0, else * r
+    presence_penalty: float = 0.0  # subtracted from the logit of each token already in the output
+    frequency_penalty: float = 0.0  # subtracted once per time a token is already in the output
     logprobs: int = None  # k: the chosen token's log-probability and the k most likely, at every token
 
     def __post_init__(self):
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        self.stop_token_ids = [] if self.stop_token_ids is None else self.stop_token_ids
         stop_ok = isinstance(self.stop, list) and all(isinstance(x, str) and x for x in self.stop)
+        ids_ok = isinstance(self.stop_token_ids, (list, tuple)) and all(is_int(t, 0) for t in self.stop_token_ids)
         refuse_bad("SamplingParams", (
             ("max_tokens", self.max_tokens, is_int(self.max_tokens, 1), "an integer >= 1"),
             ("temperature", self.temperature, is_number(self.temperature) and self.temperature >= 0,
@@ -221,7 +239,18 @@ class SamplingParams:
             ("seed", self.seed, self.seed is None or is_int(self.seed, 0, 2 ** 64 - 1),
              "None or an integer in [0, 2**64)"),
             ("stop", self.stop, self.stop is None or stop_ok, "None, a string, or a list of non-empty strings"),
+            ("stop_token_ids", self.stop_token_ids, ids_ok, "None or a list of token ids"),
+            ("include_stop_str_in_output", self.include_stop_str_in_output,
+             isinstance(self.include_stop_str_in_output, bool), "True or False"),
             ("ignore_eos", self.ignore_eos, isinstance(self.ignore_eos, bool), "True or False"),
+            ("min_tokens", self.min_tokens, is_int(self.min_tokens, 0, self.max_tokens),
+             "an integer in [0, max_tokens]"),
+            ("repetition_penalty", self.repetition_penalty,
+             is_number(self.repetition_penalty) and self.repetition_penalty > 0, "a number > 0 (1 is off)"),
+            ("presence_penalty", self.presence_penalty,
+             is_number(self.presence_penalty) and -2 <= self.presence_penalty <= 2, "a number in [-2, 2]"),
+            ("frequency_penalty", self.frequency_penalty,
+             is_number(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2, "a number in [-2, 2]"),
             ("logprobs", self.logprobs, self.logprobs is None or is_int(self.logprobs, 0, 20),
              "None or an integer in [0, 20]")))
 
@@ -267,6 +296,28 @@ def sampling_arrays(seqs):
                           np.array([s.num_output for s in seqs], np.int32))
 
 
+# the logits a step changes before sampling, one entry per (row, token): for each row, every token it has seen (the
+# repetition penalty's), how often each is in its output (presence, frequency), and the ones banned until min_tokens
+Penalties = namedtuple("Penalties", "rows ids output_counts banned repetition presence frequency")
+
+
+def penalties(seqs):
+    """The Penalties of the rows that sample (seqs), or None when none edits its logits."""
+    if not any(s.edits_logits for s in seqs):
+        return None
+    rows, ids, counts, banned = [], [], [], []
+    for row, s in enumerate(seqs):
+        p, ban = s.params, s.banned_tokens()
+        in_output = Counter(s.output_token_ids) if p.presence_penalty or p.frequency_penalty else {}
+        seen = set(s.token_ids) if p.repetition_penalty != 1 else set(in_output)
+        for token in sorted(seen | ban):
+            rows.append(row), ids.append(token), counts.append(in_output.get(token, 0)), banned.append(token in ban)
+    params = [s.params for s in seqs]
+    return Penalties(np.array(rows, np.int32), np.array(ids, np.int32), np.array(counts, np.int32),
+                     np.array(banned, bool), *(np.array([getattr(p, f"{name}_penalty") for p in params], np.float32)
+                                               for name in ("repetition", "presence", "frequency")))
+
+
 class EagerRunner:
     """Runs a step as it reads: op by op, then the sampler (cuda_backend.GraphRunner hands it all but decodes)."""
     def __init__(self, model, kv):
@@ -277,10 +328,14 @@ class EagerRunner:
 
     def run(self, batch, seqs):
         """(1, R) sampled tokens of the rows that sample (seqs), and (R, V) host logits if any wants logprobs."""
+        be = self.model.backend
         logits = self.model.forward(batch, self.kv)  # (R, V)
-        tokens = self.model.backend.sample(logits, *sampling_arrays(seqs))  # (R,)
         wants_logits = any(s.logprobs is not None for s in seqs)
-        return tokens[None], self.model.backend.tohost(logits) if wants_logits else None
+        host_logits = be.tohost(logits) if wants_logits else None  # log-probabilities are the model's own
+        edits = penalties(seqs)
+        if edits is not None:
+            logits = be.penalize(logits, edits)
+        return be.sample(logits, *sampling_arrays(seqs))[None], host_logits  # (1, R) tokens
 
     def wait(self):
         pass  # nothing runs ahead of the host
@@ -396,6 +451,8 @@ class LLM:
             ids = [int(t) for t in prompt]
         else:
             raise ValueError(f"a prompt is a string or a list of token ids in [0, {n_vocab})")
+        if any(t >= n_vocab for t in params.stop_token_ids):
+            raise ValueError(f"SamplingParams.stop_token_ids={params.stop_token_ids}: token ids are < {n_vocab}")
         ids = ids or [self.tokenizer.eot_token]  # an empty prompt generates unconditionally
         if len(ids) >= c.n_ctx:
             raise ValueError(f"the prompt is {len(ids)} tokens, and this model's context is {c.n_ctx} tokens with at "

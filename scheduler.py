@@ -48,18 +48,30 @@ class Sequence:
 
     def append(self, token, n_ctx):
         """Add a sampled token, grow the text, and decide whether the request is finished."""
-        p = self.params
+        p, eot = self.params, self._tokenizer.eot_token
         self.token_ids.append(token)
-        is_eos = token == self._tokenizer.eot_token
+        stop_token = token in p.stop_token_ids or (token == eot and not p.ignore_eos)  # banned before min_tokens
         text_before = len(self.text)
-        if not is_eos:
+        if token != eot and (not stop_token or p.include_stop_str_in_output):
             self.text += self._utf8.decode(self._tokenizer.token_bytes(token))
-        if p.stop and self._cut_at_stop(text_before):
-            self.finish("stop")
-        elif is_eos and not p.ignore_eos:
+        if stop_token or (p.stop and self.num_output >= p.min_tokens and self._cut_at_stop(text_before)):
             self.finish("stop")
         elif self.num_output >= p.max_tokens or len(self.token_ids) >= n_ctx:
             self.finish("length")
+
+    def banned_tokens(self):
+        """The tokens it may not sample now: its stop tokens (EOS too, unless ignored) until min_tokens are out."""
+        p = self.params
+        if self.num_output >= p.min_tokens:
+            return set()
+        return set(p.stop_token_ids) | (set() if p.ignore_eos else {self._tokenizer.eot_token})
+
+    @property
+    def edits_logits(self):
+        """Whether its logits change before sampling: penalties, or tokens banned until min_tokens."""
+        p = self.params
+        return p.repetition_penalty != 1 or p.presence_penalty != 0 or p.frequency_penalty != 0 or \
+            self.num_output < p.min_tokens
 
     def finish(self, reason, error=None):
         self.finish_reason, self.error = reason, error
@@ -68,9 +80,10 @@ class Sequence:
     def _cut_at_stop(self, text_before):
         # a stop string that the new text completed starts at most len(stop) - 1 characters before it
         start = max(0, text_before - max(map(len, self.params.stop)) + 1)
-        hits = [i for i in (self.text.find(s, start) for s in self.params.stop) if i >= 0]
+        hits = [(i, len(s)) for i, s in ((self.text.find(s, start), s) for s in self.params.stop) if i >= 0]
         if hits:
-            self.text = self.text[:min(hits)]
+            at, length = min(hits)
+            self.text = self.text[:at + length if self.params.include_stop_str_in_output else at]
             self._utf8.reset()  # bytes held back are past the stop string: dropped with the rest
         return bool(hits)
 

@@ -674,7 +674,9 @@ def test_request_that_never_fits_the_pool_is_refused(tiny):
 @pytest.mark.parametrize("field,value", [
     ("temperature", -0.5), ("temperature", float("nan")), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2),
     ("top_k", 2.0), ("top_k", True), ("max_tokens", 0), ("max_tokens", 2.5), ("logprobs", -1), ("logprobs", 21),
-    ("seed", -3), ("seed", 2 ** 64), ("stop", [""]), ("stop", 5), ("ignore_eos", 1), ("temperature", float("inf"))])
+    ("seed", -3), ("seed", 2 ** 64), ("stop", [""]), ("stop", 5), ("ignore_eos", 1), ("temperature", float("inf")),
+    ("min_tokens", -1), ("min_tokens", 17), ("repetition_penalty", 0), ("presence_penalty", 3),
+    ("frequency_penalty", -2.5), ("stop_token_ids", [-1]), ("stop_token_ids", "a"), ("include_stop_str_in_output", 1)])
 def test_bad_sampling_values_raise(field, value):
     """Each bad sampling value raises ValueError naming the field."""
     with pytest.raises(ValueError, match=field):
@@ -750,6 +752,85 @@ def test_stop_string(tiny, greedy_cases):
     assert out.finish_reason == "stop" and stop not in out.text and out.text == full[:full.find(stop)]
     assert len(out.token_ids) <= 8 and out.token_ids == ref[:len(out.token_ids)]
     assert "".join(delta for _, delta, _ in llm.stream(prompt, params)) == out.text
+
+
+def test_stop_string_kept_in_output(tiny, greedy_cases):
+    """include_stop_str_in_output keeps the stop string: the text ends right after it."""
+    prompt, _, ref = greedy_cases[0]
+    llm = make_llm(tiny, CPU)
+    full, stop = llm.tokenizer.decode(ref), llm.tokenizer.decode(ref[6:8])
+    (out,) = llm.generate(prompt, greedy(stop=[stop], include_stop_str_in_output=True))
+    assert out.finish_reason == "stop" and out.text == full[:full.find(stop) + len(stop)]
+
+
+@pytest.mark.parametrize("dev", EXACT_DEVICES)
+def test_stop_token_ids_and_min_tokens_match_transformers(tiny, dev, greedy_cases):
+    """A stop token ends the request with 'stop' (its id in token_ids, its text kept only with
+    include_stop_str_in_output); with min_tokens it cannot be sampled before: the tokens are transformers' greedy ones
+    with min_new_tokens and that token as eos_token_id."""
+    prompt, ids, ref = greedy_cases[0]
+    llm, stop = make_llm(tiny, dev), ref[2]
+    (out,) = llm.generate(prompt, greedy(stop_token_ids=[stop]))
+    assert out.finish_reason == "stop" and out.token_ids == ref[:3]
+    assert out.text == llm.tokenizer.decode(ref[:2])
+    (kept,) = llm.generate(prompt, greedy(stop_token_ids=[stop], include_stop_str_in_output=True))
+    assert kept.text == llm.tokenizer.decode(ref[:3])
+    with torch.no_grad():
+        want = tiny.hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                max_new_tokens=N_NEW, min_new_tokens=6, do_sample=False, eos_token_id=stop,
+                                pad_token_id=EOT)[0, len(ids):].tolist()
+    (out,) = llm.generate(prompt, greedy(stop_token_ids=[stop], min_tokens=6))
+    assert out.token_ids == want and stop not in out.token_ids[:6]
+
+
+def penalty_case(tok, R=3, V=50257, seed=0):
+    """Random logits (R, V) and sequences with random histories, each with its own penalties."""
+    rng = np.random.default_rng(seed)
+    params = [SamplingParams(repetition_penalty=1.3, max_tokens=64), SamplingParams(presence_penalty=0.7,
+              frequency_penalty=-0.4, max_tokens=64), SamplingParams(repetition_penalty=0.8, presence_penalty=-1.5,
+              frequency_penalty=1.1, min_tokens=40, stop_token_ids=[7, 11], max_tokens=64)][:R]
+    seqs = []
+    for i, p in enumerate(params):
+        seq = Sequence(i, rng.integers(0, 300, 20).tolist(), p, 0, tok)
+        seq.token_ids += rng.integers(0, 300, 30).tolist()  # a small range: many repeats
+        seqs.append(seq)
+    return (rng.standard_normal((R, V)) * 3).astype(np.float32), seqs
+
+
+def test_penalties_match_transformers(tiny):
+    """The numpy logits pass against transformers' RepetitionPenaltyLogitsProcessor (prompt and output) and
+    MinNewTokensLengthLogitsProcessor (the stop tokens and EOS banned before min_tokens), and against vLLM's
+    definition of the presence and frequency penalties (output tokens only), one row each."""
+    from transformers import MinNewTokensLengthLogitsProcessor, RepetitionPenaltyLogitsProcessor
+    logits, seqs = penalty_case(make_llm(tiny, CPU).tokenizer)
+    ours = NumpyBackend().penalize(logits, ni.penalties(seqs))
+    hf = lambda proc, s, row: proc(torch.tensor([s.token_ids]), torch.tensor(row[None]))[0].numpy()
+    want = [hf(RepetitionPenaltyLogitsProcessor(1.3), seqs[0], logits[0])]
+    row, s = logits[1].copy(), seqs[1]
+    out = np.bincount(s.output_token_ids, minlength=row.size)
+    want.append(row - 0.7 * (out > 0) - (-0.4) * out)
+    row, s = hf(RepetitionPenaltyLogitsProcessor(0.8), seqs[2], logits[2]), seqs[2]
+    out = np.bincount(s.output_token_ids, minlength=row.size)
+    row = row - (-1.5) * (out > 0) - 1.1 * out
+    want.append(hf(MinNewTokensLengthLogitsProcessor(20, 60, [7, 11, EOT]), seqs[2], row.astype(np.float32)))
+    np.testing.assert_allclose(ours, np.array(want), rtol=1e-6, atol=1e-6)
+    assert np.isneginf(ours[2, [7, 11, EOT]]).all() and not np.isinf(ours[:2]).any()
+
+
+@pytest.mark.parametrize("dev", EXACT_DEVICES)
+def test_repetition_penalty_greedy_matches_transformers(tiny, dev, greedy_cases):
+    """Greedy decoding with a repetition penalty, in a batch beside requests without one, gives transformers'
+    tokens (its generate with repetition_penalty); the others still give theirs."""
+    llm, changed = make_llm(tiny, dev), 0
+    for prompt, ids, ref in greedy_cases[:3]:
+        with torch.no_grad():
+            want = tiny.hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                    max_new_tokens=N_NEW, do_sample=False, repetition_penalty=1.8,
+                                    eos_token_id=None, pad_token_id=EOT)[0, len(ids):].tolist()
+        outs = llm.generate([prompt, prompt], [greedy(repetition_penalty=1.8), greedy()])
+        assert outs[0].token_ids == want and outs[1].token_ids == ref
+        changed += want != ref
+    assert changed, "the penalty changed no output: the test shows nothing"
 
 
 def test_eos_finishes_unless_ignored(tiny):
@@ -1659,6 +1740,15 @@ def test_sample_distribution():
 
 # ---- the engine on CUDA: a tiny random GPT-2 -------------------------------------------------
 PROMPTS = [np.random.default_rng(n).integers(0, 50256, n).tolist() for n in (1, 7, 16, 17, 45)]
+
+
+@NO_GPU
+def test_penalize_matches_numpy(tiny):
+    """The penalize kernel gives NumpyBackend.penalize's logits."""
+    logits, seqs = penalty_case(LLM(str(tiny.path), device="cpu", num_kv_tokens=256).tokenizer)
+    edits = ni.penalties(seqs)
+    got = CudaBackend(np.float32).penalize(cp.asarray(logits), edits).get()
+    np.testing.assert_array_equal(got, NumpyBackend().penalize(logits, edits))
 
 
 def generate_greedy(ckpt, **kw):
