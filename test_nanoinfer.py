@@ -1744,11 +1744,16 @@ PROMPTS = [np.random.default_rng(n).integers(0, 50256, n).tolist() for n in (1, 
 
 @NO_GPU
 def test_penalize_matches_numpy(tiny):
-    """The penalize kernel gives NumpyBackend.penalize's logits."""
+    """The penalize kernel gives NumpyBackend.penalize's logits (within fp32 rounding: the GPU may fuse a multiply and
+    subtract), the same bans, and leaves every other logit untouched."""
     logits, seqs = penalty_case(LLM(str(tiny.path), device="cpu", num_kv_tokens=256).tokenizer)
     edits = ni.penalties(seqs)
-    got = CudaBackend(np.float32).penalize(cp.asarray(logits), edits).get()
-    np.testing.assert_array_equal(got, NumpyBackend().penalize(logits, edits))
+    got, want = CudaBackend(np.float32).penalize(cp.asarray(logits), edits).get(), NumpyBackend().penalize(logits, edits)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    assert np.array_equal(np.isneginf(got), np.isneginf(want)) and np.isneginf(got).sum() == 3
+    untouched = np.ones(logits.shape, bool)
+    untouched[edits.rows, edits.ids] = False
+    assert np.array_equal(got[untouched], logits[untouched])
 
 
 def generate_greedy(ckpt, **kw):
