@@ -1748,7 +1748,8 @@ def test_penalize_matches_numpy(tiny):
     subtract), the same bans, and leaves every other logit untouched."""
     logits, seqs = penalty_case(LLM(str(tiny.path), device="cpu", num_kv_tokens=256).tokenizer)
     edits = ni.penalties(seqs)
-    got, want = CudaBackend(np.float32).penalize(cp.asarray(logits), edits).get(), NumpyBackend().penalize(logits, edits)
+    got = CudaBackend(np.float32).penalize(cp.asarray(logits), edits).get()
+    want = NumpyBackend().penalize(logits, edits)
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
     assert np.array_equal(np.isneginf(got), np.isneginf(want)) and np.isneginf(got).sum() == 3
     untouched = np.ones(logits.shape, bool)
