@@ -390,22 +390,23 @@ class CudaBackend:
                 cp.asarray(a) for a in (e.repetition, e.presence, e.frequency))))
         return logits
 
-    def sample_device(self, logits, temperature, top_k, top_p, seed, step):
+    def sample_device(self, logits, temperature, top_k, top_p, seed, step, min_p=None):
         """sample() without the copy back: the (R,) int32 token ids on the GPU."""
         logits = self._contiguous(logits, np.float32)
         R, V = logits.shape
         tokens = self.empty((R,), np.int32)
+        min_p = np.zeros(R, np.float32) if min_p is None else min_p
         if R:
             cache = V * 4 <= SAMPLE_SMEM
             self.launch("sample_tokens", (R,), (1024,),
                         (logits, np.int32(V), self._contiguous(temperature, np.float32),
                          self._contiguous(top_k, np.int32), self._contiguous(top_p, np.float32),
-                         self._contiguous(seed, np.uint64), self._contiguous(step, np.int32), tokens,
-                         np.int32(cache)), shared_mem=V * 4 if cache else 0)
+                         self._contiguous(min_p, np.float32), self._contiguous(seed, np.uint64),
+                         self._contiguous(step, np.int32), tokens, np.int32(cache)), shared_mem=V * 4 if cache else 0)
         return tokens
 
-    def sample(self, logits, temperature, top_k, top_p, seed, step):
-        return cp.asnumpy(self.sample_device(logits, temperature, top_k, top_p, seed, step)).astype(np.int64)
+    def sample(self, logits, temperature, top_k, top_p, seed, step, min_p=None):
+        return cp.asnumpy(self.sample_device(logits, temperature, top_k, top_p, seed, step, min_p)).astype(np.int64)
 
 # -----------------------------------------------------------------------------
 # 3. the graph runner: decode steps replayed from CUDA graphs, many per run
@@ -478,11 +479,11 @@ class DecodeGraph:
     making its sampled tokens the next step's inputs on the GPU (decode_advance), keeping each step's tokens in a ring,
     so it can replay many times in a row: the host's work and its wait are paid once per run."""
     # the step's inputs, in one int32 buffer; from `step` on, rewritten by carry_on for a run that goes on
-    FIELDS = ("seed", "temperature", "top_p", "top_k", "input_ids", "substep",
+    FIELDS = ("seed", "temperature", "top_p", "top_k", "min_p", "input_ids", "substep",
               "step", "remaining", "positions", "context_lens", "slot_mapping", "block_tables")
-    PADDING = dict(seed=0, temperature=0, top_p=1, top_k=0, input_ids=0,  # a padding row: greedy, never written
+    PADDING = dict(seed=0, temperature=0, top_p=1, top_k=0, min_p=0, input_ids=0,  # a padding row: greedy, unwritten
                    step=0, remaining=0, positions=0, slot_mapping=-1)
-    TYPES = dict(seed=np.uint64, temperature=np.float32, top_p=np.float32)  # the others are int32
+    TYPES = dict(seed=np.uint64, temperature=np.float32, top_p=np.float32, min_p=np.float32)  # the others: int32
 
     def __init__(self, model, kv, B, stream, pool):
         be, n_ctx = model.backend, model.config.n_ctx
@@ -518,7 +519,7 @@ class DecodeGraph:
         d, be = self.dev, model.backend
         logits = model.forward_on_device(self.batch, kv)
         tokens = be.sample_device(logits, d["temperature"].view(np.float32), d["top_k"], d["top_p"].view(np.float32),
-                                  d["seed"].view(np.uint64), d["step"])
+                                  d["seed"].view(np.uint64), d["step"], d["min_p"].view(np.float32))
         be.launch("decode_advance", (1,), (self.B,),
                   (tokens, d["input_ids"], d["positions"], d["context_lens"], d["slot_mapping"], d["step"],
                    d["remaining"], d["block_tables"], np.int32(self.batch.block_tables.shape[1]),
@@ -528,7 +529,7 @@ class DecodeGraph:
     def start(self, input_ids, sampling, plan):
         """Load n <= B sequences: last tokens, SamplingArrays, plan rows; the rest are padding (greedy, unwritten)."""
         self.n = len(input_ids)
-        for name in ("temperature", "top_k", "top_p", "seed"):
+        for name in ("temperature", "top_k", "top_p", "min_p", "seed"):
             self._write(name, getattr(sampling, name))
         self._write("input_ids", input_ids)
         self.host["substep"][0] = self.ring_row = 0

@@ -15,7 +15,7 @@
 //   8. matmul_tc         the tiled tensor-core matmul on wgmma (prefill, decode batches of 9 and more)
 //   9. attention_prefill causal FlashAttention-2 over the paged KV cache, on mma.sync
 //  10. penalize          the logits processors before sampling: repetition, presence, frequency penalties, bans
-//  11. sample_tokens     one token per row of logits: greedy, temperature, top-k, top-p, no sort
+//  11. sample_tokens     one token per row of logits: greedy, temperature, top-k, top-p, min-p, no sort
 //  12. decode_advance    CUDA-graph helper: the next decode step's inputs, made on the GPU
 //  13. take_rows         CUDA-graph helper: out[i] = src[rows[i]]
 
@@ -944,7 +944,7 @@ extern "C" __global__ void penalize(float* logits, int V, const int* rows, const
 }
 
 // 11. sample_tokens: one token per row of fp32 logits (R, V), as sample_row in nanoinfer.py defines it (greedy;
-// temperature; top-k, top-p as thresholds on p = exp((logit - max) / temperature); a counter-based splitmix64 uniform
+// temperature; top-k, top-p, min-p as thresholds on p = exp((logit - max) / temperature); a splitmix64 uniform
 // u; the first index whose running sum of kept p exceeds u * kept mass). A block per row: only R token ids leave the
 // GPU. No sort: for p >= 0 float bits order like values, so a binary search over bit patterns (~30 passes over p,
 // cached in shared memory) finds the exact k-th largest p and top-p threshold. Reads 4*V bytes per row; fp64 masses.
@@ -959,7 +959,7 @@ __device__ double block_sum(double v, double* scratch) {
 }
 
 extern "C" __global__ void __launch_bounds__(1024, 1) sample_tokens(
-    const float* logits, int V, const float* temperature, const int* top_k, const float* top_p,
+    const float* logits, int V, const float* temperature, const int* top_k, const float* top_p, const float* min_p,
     const unsigned long long* seed, const int* step, int* tokens, int cache_p) {
     wait_for_inputs();
     __shared__ double scratch[32];
@@ -1010,10 +1010,13 @@ extern "C" __global__ void __launch_bounds__(1024, 1) sample_tokens(
             if (block_sum(c, scratch) >= k) lo = mid; else hi = mid - 1;
         }
     }
+    auto kept_above = [&](float t) {  // the mass of the p >= t
+        double m = 0.0;
+        for (int i = tid; i < V; i += nt) { float p = P(i); m += p >= t ? p : 0.f; }
+        return block_sum(m, scratch);
+    };
     float thr = __uint_as_float(lo);
-    double kept = 0.0;
-    for (int i = tid; i < V; i += nt) { float p = P(i); kept += p >= thr ? p : 0.f; }
-    kept = block_sum(kept, scratch);
+    double kept = kept_above(thr);
     // top-p: the largest t (>= the top-k threshold) with mass(p >= t) >= top_p * kept mass
     const float tp = top_p[row];
     if (tp < 1.f) {
@@ -1027,9 +1030,11 @@ extern "C" __global__ void __launch_bounds__(1024, 1) sample_tokens(
             if (block_sum(mass, scratch) >= target) lo = mid; else hi = mid - 1;
         }
         thr = __uint_as_float(lo);
-        kept = 0.0;
-        for (int i = tid; i < V; i += nt) { float p = P(i); kept += p >= thr ? p : 0.f; }
-        kept = block_sum(kept, scratch);
+        kept = kept_above(thr);
+    }
+    if (min_p[row] > thr) {  // min-p: p >= min_p, as the largest p is 1
+        thr = min_p[row];
+        kept = kept_above(thr);
     }
 
     // u = uniform(seed, step), splitmix64 on seed + (step + 1) * golden ratio

@@ -41,17 +41,26 @@ def uniform(seed, step):
     return (z >> np.uint64(40)).astype(np.float32) * np.float32(2.0 ** -24)
 
 
-def sample_row(logits, temperature, top_k, top_p, u):
-    """One token from one row of logits: temperature, then top-k, then top-p, by thresholds on p."""
-    if temperature == 0:
-        return int(np.argmax(logits))
-    p = np.exp((logits - logits.max()) / np.float32(temperature))  # unnormalized; the largest is 1
+def sampling_probs(logits, temperature, top_k, top_p, min_p=0.0):
+    """The distribution a row samples from, unnormalized (the largest p is 1): temperature, then top-k, top-p and
+    min-p (transformers' order), each as a threshold on p."""
+    p = np.exp((logits - logits.max()) / np.float32(temperature))
     if 0 < top_k < len(p):
         p[p < np.partition(p, -top_k)[-top_k]] = 0  # keep the k largest (and any ties with the k-th)
     if top_p < 1:
         desc = np.sort(p)[::-1]
         mass = np.cumsum(desc)
         p[p < desc[np.searchsorted(mass, np.float32(top_p) * mass[-1])]] = 0  # smallest head holding top_p
+    if min_p > 0:
+        p[p < np.float32(min_p)] = 0  # at least min_p times the most likely token's probability
+    return p
+
+
+def sample_row(logits, temperature, top_k, top_p, u, min_p=0.0):
+    """One token from one row of logits: greedy, or the first index whose running sum of p exceeds u * the total."""
+    if temperature == 0:
+        return int(np.argmax(logits))
+    p = sampling_probs(logits, temperature, top_k, top_p, min_p)
     cdf = np.cumsum(p)
     return int(min(np.searchsorted(cdf, u * cdf[-1], side="right"), np.flatnonzero(p)[-1]))
 
@@ -132,9 +141,10 @@ class NumpyBackend:
         logits[e.rows, e.ids] = np.where(e.banned, -np.inf, x)
         return logits
 
-    def sample(self, logits, temperature, top_k, top_p, seed, step):
+    def sample(self, logits, temperature, top_k, top_p, seed, step, min_p=None):
         u = uniform(seed, step)  # float64 below: the running sum over 50257 probabilities stays exact
-        return np.array([sample_row(logits[r].astype(np.float64), temperature[r], top_k[r], top_p[r], u[r])
+        min_p = np.zeros(len(logits), np.float32) if min_p is None else min_p
+        return np.array([sample_row(logits[r].astype(np.float64), temperature[r], top_k[r], top_p[r], u[r], min_p[r])
                          for r in range(len(logits))], dtype=np.int64)
 
 
@@ -213,6 +223,7 @@ class SamplingParams:
     temperature: float = 1.0  # 0 is greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 (or -1, vLLM's spelling) is off, as is any k >= the vocabulary
+    min_p: float = 0.0  # keep the tokens at least min_p times as likely as the most likely one (0 is off)
     seed: int = None  # a seeded request samples the same tokens whatever else is in the batch
     stop: list = None  # strings that end the request (not included in the text)
     stop_token_ids: list = None  # token ids that end the request, as EOS does
@@ -236,6 +247,7 @@ class SamplingParams:
              "a number >= 0 (0 is greedy)"),
             ("top_p", self.top_p, is_number(self.top_p) and 0 < self.top_p <= 1, "a number in (0, 1]"),
             ("top_k", self.top_k, is_int(self.top_k, -1), "an integer >= -1 (0 or -1 is off)"),
+            ("min_p", self.min_p, is_number(self.min_p) and 0 <= self.min_p <= 1, "a number in [0, 1] (0 is off)"),
             ("seed", self.seed, self.seed is None or is_int(self.seed, 0, 2 ** 64 - 1),
              "None or an integer in [0, 2**64)"),
             ("stop", self.stop, self.stop is None or stop_ok, "None, a string, or a list of non-empty strings"),
@@ -284,7 +296,7 @@ class RequestOutput:
 # the engine: schedule -> batch -> run -> postprocess
 
 # the sampler's parameters, one per row that samples; step is the index of the token being sampled
-SamplingArrays = namedtuple("SamplingArrays", "temperature top_k top_p seed step")
+SamplingArrays = namedtuple("SamplingArrays", "temperature top_k top_p seed step min_p")
 
 
 def sampling_arrays(seqs):
@@ -293,7 +305,8 @@ def sampling_arrays(seqs):
                           np.array([min(max(p.top_k, 0), 2 ** 31 - 1) for p in params], np.int32),  # k > V: off
                           np.array([p.top_p for p in params], np.float32),
                           np.array([s.seed for s in seqs], np.uint64),
-                          np.array([s.num_output for s in seqs], np.int32))
+                          np.array([s.num_output for s in seqs], np.int32),
+                          np.array([p.min_p for p in params], np.float32))
 
 
 # the logits a step changes before sampling, one entry per (row, token): for each row, every token it has seen (the

@@ -361,7 +361,7 @@ def test_preemption_keeps_greedy_outputs(tiny, dev, greedy_cases):
     assert llm.kv.allocator.num_free() == llm.kv.num_blocks and not llm.kv.block_tables
 
 
-SAMPLED = dict(temperature=0.8, top_k=40, top_p=0.9, max_tokens=20, ignore_eos=True)
+SAMPLED = dict(temperature=0.8, top_k=40, top_p=0.9, min_p=0.05, max_tokens=20, ignore_eos=True)
 
 
 @pytest.mark.parametrize("dev", EXACT_DEVICES)
@@ -380,7 +380,7 @@ def test_seeded_sampling_reproducible_and_batch_independent(tiny, dev):
     ids = alone.prompt_token_ids
     ref = hf_logits(tiny, ids + alone.token_ids)[len(ids) - 1:-1].astype(np.float32)
     args = SAMPLED["temperature"], SAMPLED["top_k"], SAMPLED["top_p"], 1234
-    assert alone.token_ids == [spec_sample(row, *args, step) for step, row in enumerate(ref)]
+    assert alone.token_ids == [spec_sample(row, *args, step, SAMPLED["min_p"]) for step, row in enumerate(ref)]
 
 
 def spec_uniform(seed, step):
@@ -392,17 +392,17 @@ def spec_uniform(seed, step):
     return np.float32((z ^ (z >> 31)) >> 40) * np.float32(2.0 ** -24)
 
 
-def spec_sample(logits, temperature, top_k, top_p, seed, step):
-    """The sampler as its definition reads (temperature, top-k, top-p by thresholds, a splitmix64 uniform per
-    (seed, step), the first index whose running sum exceeds u times the kept mass), written independently."""
+def spec_sample(logits, temperature, top_k, top_p, seed, step, min_p=0.0):
+    """The sampler as its definition reads (temperature, top-k, top-p, min-p by thresholds, a splitmix64 uniform
+    per (seed, step), the first index whose running sum exceeds u times the kept mass), written independently."""
     if temperature == 0:
         return int(np.argmax(logits))
     u = spec_uniform(seed, step)
-    return spec_pick(spec_kept(logits, temperature, top_k, top_p), u)
+    return spec_pick(spec_kept(logits, temperature, top_k, top_p, min_p), u)
 
 
-def spec_kept(logits, temperature, top_k, top_p):
-    """The unnormalized p left after temperature, top-k and top-p (zeros elsewhere)."""
+def spec_kept(logits, temperature, top_k, top_p, min_p=0.0):
+    """The unnormalized p left after temperature, top-k, top-p and min-p (zeros elsewhere)."""
     p = np.exp((logits - logits.max()) / np.float32(temperature)).astype(np.float32)
     if top_k > 0:
         p = np.where(p >= np.sort(p)[-min(top_k, len(p))], p, 0).astype(np.float32)
@@ -411,7 +411,7 @@ def spec_kept(logits, temperature, top_k, top_p):
         mass = np.cumsum(desc)
         head = mass >= np.float32(top_p) * mass[-1]
         p = np.where(p >= desc[np.argmax(head)], p, 0).astype(np.float32)
-    return p
+    return np.where(p >= np.float32(min_p), p, 0).astype(np.float32)  # the largest p is 1
 
 
 def spec_pick(p, u):
@@ -430,11 +430,13 @@ def test_sampler_follows_the_spec(dev):
     temp = np.array([0, 0.8, 1, 1.5, 0.8, 0.8, 1, 0.5, 2, 1, 0.7, 1.2], np.float32)
     top_k = np.array([0, 0, 40, 0, 1, 5, 0, 100, 0, 3000, 20, 0], np.int32)
     top_p = np.array([1, 1, 1, 0.9, 1, 0.5, 0.3, 0.95, 0.99, 1, 0.8, 0.05], np.float32)
+    min_p = np.array([0, 0.1, 0, 0, 0, 0.3, 0, 0.01, 0.05, 1, 0, 0], np.float32)
     seed = rng.integers(0, 2 ** 64, R, dtype=np.uint64)  # the whole range: seed + step * c wraps around 2**64
     step = rng.integers(0, 500, R).astype(np.int32)
     be = ni.make_backend(dev.device, dev.dtype)
-    got = np.asarray(be.sample(be.asarray(logits, np.float32), temp, top_k, top_p, seed, step)).tolist()
-    want = [spec_sample(logits[r], temp[r], top_k[r], top_p[r], int(seed[r]), int(step[r])) for r in range(R)]
+    got = np.asarray(be.sample(be.asarray(logits, np.float32), temp, top_k, top_p, seed, step, min_p)).tolist()
+    want = [spec_sample(logits[r], temp[r], top_k[r], top_p[r], int(seed[r]), int(step[r]), min_p[r])
+            for r in range(R)]
     if dev.device == "cpu":
         assert got == want
     else:  # a parallel running sum rounds differently: accept what u within 1e-5 (relative) of its value picks
@@ -442,8 +444,25 @@ def test_sampler_follows_the_spec(dev):
             if temp[r] == 0:
                 assert got[r] == want[r]
                 continue
-            p, u = spec_kept(logits[r], temp[r], top_k[r], top_p[r]), spec_uniform(int(seed[r]), int(step[r]))
+            p, u = spec_kept(logits[r], temp[r], top_k[r], top_p[r], min_p[r]), spec_uniform(int(seed[r]),
+                                                                                                int(step[r]))
             assert spec_pick(p, u * (1 - 1e-5)) <= got[r] <= spec_pick(p, min(u * (1 + 1e-5), 1)) and p[got[r]] > 0
+
+
+@pytest.mark.parametrize("temperature,top_k,min_p", [(1.0, 0, 0.1), (0.7, 0, 0.02), (1.3, 200, 0.05), (1.0, 0, 1.0)])
+def test_min_p_matches_transformers(temperature, top_k, min_p):
+    """The tokens the sampler may pick (nanoinfer.sampling_probs > 0) and their probabilities are those transformers'
+    TemperatureLogitsWarper, TopKLogitsWarper and MinPLogitsWarper leave, on random logits."""
+    from transformers import MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper
+    logits = np.random.default_rng(3).standard_normal((4, 5000)) * 2
+    for row in logits:
+        p = ni.sampling_probs(row.copy(), temperature, top_k, 1.0, min_p)
+        ids, scores = torch.zeros(1, 1, dtype=torch.long), torch.tensor(row[None])
+        top = [TopKLogitsWarper(top_k)] if top_k else []
+        for warp in [TemperatureLogitsWarper(temperature)] + top + [MinPLogitsWarper(min_p)]:
+            scores = warp(ids, scores)
+        want = torch.softmax(scores, -1)[0].numpy()
+        assert np.array_equal(p > 0, want > 0) and np.allclose(p / p.sum(), want, rtol=1e-6, atol=1e-12)  # T in fp32
 
 
 def test_logprobs_match_transformers(tiny, dev, greedy_cases):
@@ -675,8 +694,9 @@ def test_request_that_never_fits_the_pool_is_refused(tiny):
     ("temperature", -0.5), ("temperature", float("nan")), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2),
     ("top_k", 2.0), ("top_k", True), ("max_tokens", 0), ("max_tokens", 2.5), ("logprobs", -1), ("logprobs", 21),
     ("seed", -3), ("seed", 2 ** 64), ("stop", [""]), ("stop", 5), ("ignore_eos", 1), ("temperature", float("inf")),
-    ("min_tokens", -1), ("min_tokens", 17), ("repetition_penalty", 0), ("presence_penalty", 3),
-    ("frequency_penalty", -2.5), ("stop_token_ids", [-1]), ("stop_token_ids", "a"), ("include_stop_str_in_output", 1)])
+    ("min_p", -0.1), ("min_p", 1.5), ("min_tokens", -1), ("min_tokens", 17), ("repetition_penalty", 0),
+    ("presence_penalty", 3), ("frequency_penalty", -2.5), ("stop_token_ids", [-1]), ("stop_token_ids", "a"),
+    ("include_stop_str_in_output", 1)])
 def test_bad_sampling_values_raise(field, value):
     """Each bad sampling value raises ValueError naming the field."""
     with pytest.raises(ValueError, match=field):
@@ -1667,12 +1687,12 @@ def test_attention_head_dim():
 
 
 # ---- sampling --------------------------------------------------------------------------------
-def picked_near(logits, temperature, top_k, top_p, u, token, eps=1e-5):
+def picked_near(logits, temperature, top_k, top_p, u, token, eps=1e-5, min_p=0.0):
     """Whether nanoinfer.sample_row picks `token` for some u' within eps of u: near a boundary of the running
     sum of kept p the kernel's rounding and the reference's may fall either side; nowhere else. sample_row's
     pick never decreases as u grows: bisect for the least u' in [u - eps, u + eps] whose pick reaches
     `token`, and see whether it is `token`."""
-    pick = lambda v: ni.sample_row(logits, temperature, top_k, top_p, v)
+    pick = lambda v: ni.sample_row(logits, temperature, top_k, top_p, v, min_p)
     lo, hi = u - eps, u + eps
     for _ in range(40):
         mid = (lo + hi) / 2
@@ -1688,22 +1708,25 @@ def test_sample_matches_definition():
     fp32 sums, one by one over V = 50257, drift by up to ~1e-4 of the mass)."""
     be = CudaBackend(np.float16)
     V = 50257
-    params = [(0.0, 0, 1.0), (1.0, 0, 1.0), (0.7, 50, 1.0), (1.0, 0, 0.9), (1.0, 20, 0.5), (0.8, 1, 1.0),
-              (1.5, 0, 0.99), (1.0, V + 5, 1.0), (0.3, 0, 0.95), (2.0, 1000, 0.8)] * 3
+    params = [(0.0, 0, 1.0, 0), (1.0, 0, 1.0, 0), (0.7, 50, 1.0, 0), (1.0, 0, 0.9, 0), (1.0, 20, 0.5, 0),
+              (0.8, 1, 1.0, 0), (1.5, 0, 0.99, 0), (1.0, V + 5, 1.0, 0), (0.3, 0, 0.95, 0), (2.0, 1000, 0.8, 0),
+              (1.0, 0, 1.0, 0.01), (0.8, 40, 0.9, 0.05), (2.0, 0, 1.0, 0.3)] * 3
     R = len(params)
     logits = (rng.standard_normal((R, V)) * 3).astype(np.float32)
     temp = np.array([p[0] for p in params], np.float32)
     top_k = np.array([p[1] for p in params], np.int32)
     top_p = np.array([p[2] for p in params], np.float32)
+    min_p = np.array([p[3] for p in params], np.float32)
     seed = rng.integers(0, 2**63, R, dtype=np.uint64)
     step = rng.integers(0, 1000, R).astype(np.int32)
-    toks = be.sample(cp.asarray(logits), temp, top_k, top_p, seed, step)
+    toks = be.sample(cp.asarray(logits), temp, top_k, top_p, seed, step, min_p)
     assert toks.dtype == np.int64 and toks.shape == (R,)
     u = ni.uniform(seed, step)
     for i in range(R):
         row = logits[i].astype(np.float64)
-        want = ni.sample_row(row, temp[i], top_k[i], top_p[i], u[i])
-        assert toks[i] == want or picked_near(row, temp[i], top_k[i], top_p[i], float(u[i]), toks[i]), \
+        want = ni.sample_row(row, temp[i], top_k[i], top_p[i], u[i], min_p[i])
+        assert toks[i] == want or picked_near(row, temp[i], top_k[i], top_p[i], float(u[i]), toks[i],
+                                              min_p=min_p[i]), \
             f"row {i} {params[i]}: got {toks[i]}, the definition picks {want} (seed={SEED})"
 
 
