@@ -224,7 +224,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0 (or -1, vLLM's spelling) is off, as is any k >= the vocabulary
     min_p: float = 0.0  # keep the tokens at least min_p times as likely as the most likely one (0 is off)
-    seed: int = None  # a seeded request samples the same tokens whatever else is in the batch
+    seed: int = None  # fixes the random draws, whatever else is in the batch (None: one from the engine's seed)
     stop: list = None  # strings that end the request (not included in the text)
     stop_token_ids: list = None  # token ids that end the request, as EOS does
     include_stop_str_in_output: bool = False  # keep the stop string, or the stop token's text
