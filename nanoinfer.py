@@ -68,6 +68,7 @@ def sample_row(logits, temperature, top_k, top_p, u, min_p=0.0):
 class NumpyBackend:
     """Every op of the forward pass, in numpy: short enough to read as the definition of what the kernels do."""
     name = "cpu"
+    batch_invariant = False  # True: no row's reductions depend on the other rows of the batch (LLM's switch)
 
     def __init__(self, dtype=np.float32):
         self.dtype = np.dtype(dtype)
@@ -100,7 +101,12 @@ class NumpyBackend:
         """epilogue(layernorm(x) @ w.T), ln: (weight, bias, eps) or None; the epilogue: + bias, GELU, + residual."""
         if ln is not None:
             x = self.layernorm(x, *ln)
-        y = x @ w.T  # (M, K) @ (K, N) -> (M, N)
+        if self.batch_invariant:  # BLAS blocks the rows by M: a row's sums would depend on the batch, not one by one
+            y = np.empty((len(x), len(w)), np.result_type(x, w))
+            for i, row in enumerate(x):
+                y[i] = row @ w.T
+        else:
+            y = x @ w.T  # (M, K) @ (K, N) -> (M, N)
         if bias is not None:
             y += bias
         if gelu:
@@ -124,11 +130,15 @@ class NumpyBackend:
             blocks = batch.block_tables[s, :-(-n_ctx // block_size)]
             k = k_cache[blocks].reshape(-1, H, D)[:n_ctx].transpose(1, 2, 0)  # (H, D, L) gathered by block table
             v = v_cache[blocks].reshape(-1, H, D)[:n_ctx].transpose(1, 0, 2)  # (H, L, D)
-            att = (q[q0:q1].transpose(1, 0, 2) @ k) * scale  # (H, n_q, L)
-            q_pos = np.arange(n_ctx - (q1 - q0), n_ctx)  # the queries are the last n_q tokens
-            att = np.where(np.arange(n_ctx) <= q_pos[:, None], att, -np.inf)  # causal
-            att = np.exp(att - att.max(-1, keepdims=True))
-            out[q0:q1] = ((att / att.sum(-1, keepdims=True)) @ v).transpose(1, 0, 2)  # (n_q, H, D)
+            # the queries are the last n_q tokens; batch-invariant, one at a time over exactly the keys it sees (how a
+            # sum rounds depends on its length, so a chunk's or the batch's longest context must not enter it)
+            for a, b in [(j, j + 1) for j in range(q0, q1)] if self.batch_invariant else [(q0, q1)]:
+                end = n_ctx - (q1 - b)  # the keys the span's last query sees
+                att = (q[a:b].transpose(1, 0, 2) @ k[:, :, :end]) * scale  # (H, n_q, L)
+                q_pos = np.arange(end - (b - a), end)
+                att = np.where(np.arange(end) <= q_pos[:, None], att, -np.inf)  # causal
+                att = np.exp(att - att.max(-1, keepdims=True))
+                out[a:b] = ((att / att.sum(-1, keepdims=True)) @ v[:, :end]).transpose(1, 0, 2)  # (n_q, H, D)
         return out
 
     def penalize(self, logits, e):
@@ -365,7 +375,7 @@ class LLM:
     the engine holds its lock (_exclusive), and each request's events go to the call that added it (its outbox)."""
     def __init__(self, model, device="auto", dtype=None, block_size=16, max_num_seqs=256,
                  max_num_batched_tokens=16384, num_kv_tokens=None, gpu_memory_utilization=0.9, seed=0,
-                 cuda_graphs=True, fused=True, num_scheduler_steps=16, dependent_launches=True):
+                 cuda_graphs=True, fused=True, num_scheduler_steps=16, dependent_launches=True, batch_invariant=False):
         refuse_bad("LLM", [(name, value, is_int(value, 1), "an integer >= 1") for name, value in (
             ("block_size", block_size), ("max_num_seqs", max_num_seqs), ("num_scheduler_steps", num_scheduler_steps),
             ("max_num_batched_tokens", max_num_batched_tokens))] + [
@@ -375,7 +385,8 @@ class LLM:
             ("seed", seed, is_int(seed, 0), "an integer >= 0"),
             ("dtype", dtype, dtype in (None, "float16", "float32", np.float16, np.float32), "float16 or float32")] + [
             (name, value, isinstance(value, bool), "True or False") for name, value in (
-                ("cuda_graphs", cuda_graphs), ("fused", fused), ("dependent_launches", dependent_launches))])
+                ("cuda_graphs", cuda_graphs), ("fused", fused), ("dependent_launches", dependent_launches),
+                ("batch_invariant", batch_invariant))])
         path = resolve_model(model)
         self.config = c = load_config(path)
         self.tokenizer = Tokenizer(path)
@@ -384,6 +395,11 @@ class LLM:
                              f"is {c.vocab_size}: the files do not belong together")
         self.backend = make_backend(device, dtype)
         self.backend.check_model(c)
+        if batch_invariant and self.backend.name != "cpu":
+            raise ValueError("batch_invariant=True runs on the CPU so far (the CUDA kernels' tiles, split-K and "
+                             "attention splits still follow the batch): use device='cpu'")
+        # outputs bitwise the same solo, batched, chunked or preempted: every reduction row by row, in a fixed order
+        self.backend.batch_invariant = batch_invariant
         # the lessons' switches: fusion, launch overhead (CUDA graphs), multi-step decoding, dependent launches
         self.backend.fuse, self.backend.pdl = fused, dependent_launches
         self.model = GPT(c, load_weights(path, c), self.backend, self.tokenizer.n_vocab)

@@ -652,6 +652,26 @@ def test_stress_every_request_gets_its_solo_output(tiny, dev, reqs, block_size, 
     target(float(llm.scheduler.num_preemptions), label="preemptions")  # steer the search toward pressure
 
 
+def test_batch_invariant_outputs_are_bitwise_solo(tiny):
+    """batch_invariant=True (CPU): 200 requests of mixed lengths and sampling settings, run together with chunked
+    prefill and a pool tight enough to preempt, give each request's solo tokens and bitwise its solo log-probs."""
+    rng = np.random.default_rng()
+    reqs = []
+    for i in range(200):
+        n, max_tokens, seed = int(rng.integers(1, 60)), int(rng.integers(1, 12)), int(rng.integers(2 ** 32))
+        sampled = dict(temperature=float(rng.choice([0.5, 1.0, 1.5])), top_k=int(rng.choice([0, 40])),
+                       top_p=float(rng.choice([1.0, 0.9])), seed=seed) if i % 2 else dict(temperature=0)
+        reqs.append((random_ids(n, seed), SamplingParams(max_tokens=max_tokens, ignore_eos=True, logprobs=1,
+                                                         **sampled)))
+    solo_llm = make_llm(tiny, CPU, batch_invariant=True)
+    alone = [solo_llm.generate([p], q)[0] for p, q in reqs]
+    llm = make_llm(tiny, CPU, batch_invariant=True, max_num_batched_tokens=24, num_kv_tokens=96, block_size=4)
+    together = llm.generate([p for p, _ in reqs], [q for _, q in reqs])
+    assert llm.scheduler.num_preemptions > 0, "the pool did not force a preemption"
+    for a, b in zip(alone, together):
+        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs  # floats compared with ==: bit for bit
+
+
 # -----------------------------------------------------------------------------
 # bad input
 
@@ -1197,7 +1217,8 @@ def test_real_ctrl_c_never_leaves_the_engine_broken(tiny, tmp_path):
 @pytest.mark.parametrize("name,value", [
     ("max_num_seqs", 0), ("max_num_batched_tokens", 0), ("block_size", 0), ("block_size", -4), ("block_size", 2.0),
     ("num_kv_tokens", 0), ("gpu_memory_utilization", 0), ("gpu_memory_utilization", 1.5), ("seed", -1),
-    ("num_scheduler_steps", 0), ("cuda_graphs", "yes"), ("dtype", "int8"), ("device", "tpu")])
+    ("num_scheduler_steps", 0), ("cuda_graphs", "yes"), ("dtype", "int8"), ("device", "tpu"),
+    ("batch_invariant", 1)])
 def test_bad_engine_arguments_raise(tiny, name, value):
     """Each bad constructor argument raises ValueError naming it, before anything loads (max_num_seqs=0 once
     made generate spin forever; block_size=0 divided by zero)."""
