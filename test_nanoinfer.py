@@ -449,6 +449,38 @@ def test_sampler_follows_the_spec(dev):
             assert spec_pick(p, u * (1 - 1e-5)) <= got[r] <= spec_pick(p, min(u * (1 + 1e-5), 1)) and p[got[r]] > 0
 
 
+def chi2_critical(df, z=4.75):
+    """The chi-square statistic that df degrees of freedom exceed with probability ~1e-6 (Wilson-Hilferty)."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p,min_p", [(1.0, 0, 1.0, 0.0), (0.7, 10, 1.0, 0.0),
+                                                           (1.3, 0, 0.8, 0.0), (1.0, 0, 1.0, 0.05),
+                                                           (0.9, 20, 0.9, 0.02)])
+def test_sampler_distribution(dev, temperature, top_k, top_p, min_p):
+    """30000 draws from one row of 40 logits, each with its own (seed, step): the tokens' frequencies fit the exact
+    renormalised temperature / top-k / top-p / min-p distribution (a chi-square test failing by chance about once
+    in a million runs), and nothing outside it is ever drawn. Unseeded: other draws every run."""
+    rng, N = np.random.default_rng(), 30000
+    logits = (rng.standard_normal(40) * 1.5).astype(np.float32)
+    p = ni.sampling_probs(logits.astype(np.float64), temperature, top_k, top_p, min_p)
+    p /= p.sum()
+    be = ni.make_backend(dev.device, dev.dtype)
+    full = lambda v, t: np.full(N, v, t)
+    toks = np.asarray(be.sample(be.asarray(np.tile(logits, (N, 1)), np.float32), full(temperature, np.float32),
+                                full(top_k, np.int32), full(top_p, np.float32),
+                                rng.integers(0, 2 ** 64, N, dtype=np.uint64), rng.integers(0, 1000, N).astype(np.int32),
+                                full(min_p, np.float32)))
+    counts = np.bincount(toks, minlength=len(p))
+    assert counts[p == 0].sum() == 0, "a token outside the kept set was drawn"
+    big = N * p >= 5  # the tokens expected fewer than 5 times are pooled into one cell, as the test needs
+    observed = np.append(counts[big], counts[~big & (p > 0)].sum())
+    expected = np.append(N * p[big], N * p[~big].sum())
+    cells = expected > 0
+    chi2 = (((observed - expected)[cells] ** 2) / expected[cells]).sum()
+    assert chi2 < chi2_critical(cells.sum() - 1), (chi2, cells.sum())
+
+
 @pytest.mark.parametrize("temperature,top_k,min_p", [(1.0, 0, 0.1), (0.7, 0, 0.02), (1.3, 200, 0.05), (1.0, 0, 1.0)])
 def test_min_p_matches_transformers(temperature, top_k, min_p):
     """The tokens the sampler may pick (nanoinfer.sampling_probs > 0) and their probabilities are those transformers'
