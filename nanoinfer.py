@@ -328,17 +328,16 @@ def penalties(seqs):
     """The Penalties of the rows that sample (seqs), or None when none edits its logits."""
     if not any(s.edits_logits for s in seqs):
         return None
-    rows, ids, counts, banned = [], [], [], []
+    entries = []  # (row, token, times in the output, banned)
     for row, s in enumerate(seqs):
         p, ban = s.params, s.banned_tokens()
         in_output = Counter(s.output_token_ids) if p.presence_penalty or p.frequency_penalty else {}
         seen = set(s.token_ids) if p.repetition_penalty != 1 else set(in_output)
-        for token in sorted(seen | ban):
-            rows.append(row), ids.append(token), counts.append(in_output.get(token, 0)), banned.append(token in ban)
-    params = [s.params for s in seqs]
-    return Penalties(np.array(rows, np.int32), np.array(ids, np.int32), np.array(counts, np.int32),
-                     np.array(banned, bool), *(np.array([getattr(p, f"{name}_penalty") for p in params], np.float32)
-                                               for name in ("repetition", "presence", "frequency")))
+        entries += [(row, token, in_output.get(token, 0), token in ban) for token in sorted(seen | ban)]
+    rows, ids, counts, banned = np.array(entries, np.int32).reshape(-1, 4).T.copy()  # (4, E): each row contiguous
+    per_row = lambda name: np.array([getattr(s.params, name) for s in seqs], np.float32)
+    return Penalties(rows, ids, counts, banned.astype(bool), per_row("repetition_penalty"),
+                     per_row("presence_penalty"), per_row("frequency_penalty"))
 
 
 class EagerRunner:
