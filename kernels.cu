@@ -229,12 +229,11 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
 // 5. attention_decode: single query rows (decode; all rows on the fp32 path), split along the context (flash-decoding):
 // block (row, head, split) takes the row's keys [split*chunk, ...). Memory-bound: 2*len*64*sizeof(T) bytes (K, V) for
 // 4*len*64 FLOPs per (row, head). Lanes work in groups of 64/VEC (8 for fp16), a key per group, a 16-byte chunk of K
-// and V per lane; each group's running max, sum and output merge across the warp, then the 4 warps. Bandwidth needs
-// bytes in flight: each thread cp.asyncs its own chunks of the next 7 key tiles to shared memory (no registers held:
-// far more fly than loads allow); only it reads them: no barrier. One split writes `out` directly; several (so 12 heads
-// of one sequence fill 132 SMs) each write normalised output and log-sum-exp, and the last to finish (last_to_arrive)
-// combines: out = sum_s exp2(lse_s - max) * o_s / sum_s exp2(lse_s - max). Decode also folds in the cache write: row
-// r's own key (len - 1) comes from k_new / v_new, and the split holding it stores it at slot_mapping[row_q[r]].
+// and V per lane; the groups' running max, sum and output merge across the warp, then the 4 warps. For bytes in
+// flight each thread cp.asyncs its own chunks of the next 7 key tiles (no registers held), read by it alone: no
+// barrier. Several splits (so 12 heads of one sequence fill 132 SMs) each write normalised output and log-sum-exp; the
+// last to arrive combines: out = sum_s exp2(lse_s - max) * o_s / sum_s exp2(lse_s - max). The cache write rides
+// along: row r's own key (len - 1) comes from k_new / v_new, stored by its split at slot_mapping[row_q[r]].
 template <typename T>
 __global__ void __launch_bounds__(128) attention_decode(
     const T* q, int q_stride, const T* k_new, const T* v_new, int kv_stride,
@@ -364,15 +363,13 @@ __device__ __forceinline__ uint4 load16_stream(const void* p) {
 }
 
 // 6. matmul_gemv: y = epilogue(ln(x) @ w.T) for the one row of x of a single stream's decode (from two rows on,
-// matmul_skinny's tensor cores are faster), layernorm optionally fused in its prologue. M is always 1. The body is
-// written for MR rows of x with MR = 1: a one-row rewrite of it compiled to a slower kernel (NOTES.md, 2026-12-01), so
-// the row loops stay, each of one pass. Memory-bound (N*K*2 weight bytes read once, 2*N*K FLOPs): keep bytes in flight.
+// matmul_skinny's tensor cores are faster), layernorm optionally fused in its prologue. M is 1; the loops over MR = 1
+// rows stay, as a one-row rewrite compiled slower (NOTES.md). Memory-bound (N*K*2 weight bytes read once, 2*N*K FLOPs).
 // A warp takes a row of w at a time, in rounds of R 16-byte loads per lane (256 * R of K), the next on the way during
-// the current one's dot products (two register buffers), then its next row, gridDim.x * 8 on. One wave of 2 blocks per
-// SM; R = 8 keeps the most bytes in flight, R = 4 needs 64 registers, so 4 blocks fit an SM and the next kernel's
-// (dependent launch) load their weights beside this one's (either way a GPT-2 matrix flies in two rounds). The prologue
-// copies x to shared memory while the first rounds fly, normalised given ln_w (a 16-byte chunk per thread, stats: two
-// block-wide sums): one L2 read of x per block, not a layernorm kernel. GPT-2 sizes: ~one HBM round trip + launch.
+// the current one's dot products (two register buffers), then its next row, gridDim.x * 8 on. R = 8 keeps the most
+// bytes in flight (2 blocks per SM); R = 4 needs 64 registers, so 4 blocks fit an SM and the next kernel's (dependent
+// launch) load their weights beside this one's. The prologue copies x to shared memory while the first rounds fly,
+// normalised given ln_w (two block-wide sums): one L2 read of x per block, no layernorm kernel.
 template <int R>
 __global__ void __launch_bounds__(256, R == 4 ? 4 : 2) matmul_gemv(
     const half* x, const half* __restrict__ w, const half* __restrict__ bias, const half* residual, void* __restrict__ y,
@@ -509,14 +506,13 @@ __device__ __forceinline__ void mma16816(float* c, const unsigned* a, const unsi
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-// 7. matmul_skinny: y = epilogue(x @ w.T) for decode batches of 2-8 rows of x, and the lm_head of up to 8 rows (50257
-// rows stream as fast as in matmul_gemv); from 9 rows on, matmul_tc wins. Memory-bound: 2*M*N*K FLOPs over N*K*2 bytes
-// of weights, at full bandwidth; a 64-row tile would be mostly empty. A block owns 16 rows of w, on the tensor cores
-// with roles swapped: w is the mma's A (16 x k16), the 8 rows of x its B. Dot products ignore k's order, so each thread
-// feeds the mma the 8 consecutive k of one 16-byte load (of w and x), not the fragment layout's scattered pairs: no
-// shared memory on the way in, w read once. 4 warps take interleaved 64-wide chunks of K, each issuing 4 chunks' loads
-// before its first mma (hiding HBM latency), then sum in shared memory. When N gives too few blocks (768 x 3072), K is
-// split over blockIdx.y too: partial sums go to `partial`; the last to arrive adds them and runs the epilogue.
+// 7. matmul_skinny: y = epilogue(x @ w.T) for decode batches of 2-8 rows of x and the lm_head of up to 8 (from 9 rows
+// on, matmul_tc wins). Memory-bound: 2*M*N*K FLOPs over N*K*2 bytes of weights; a 64-row tile would be mostly empty.
+// A block owns 16 rows of w, on the tensor cores with roles swapped: w is the mma's A (16 x k16), the 8 rows of x its
+// B. Dot products ignore k's order, so each thread feeds the mma the 8 consecutive k of one 16-byte load (of w and x),
+// not the fragment layout's scattered pairs: no shared memory on the way in, w read once. 4 warps take interleaved
+// 64-wide chunks of K, each issuing 4 chunks' loads before its first mma, then sum in shared memory. When N gives too
+// few blocks (768 x 3072), K is split over blockIdx.y: the last to arrive adds the partial sums, runs the epilogue.
 extern "C" __global__ void __launch_bounds__(128) matmul_skinny(
     const half* x, const half* __restrict__ w, const half* __restrict__ bias, const half* residual, void* __restrict__ y,
     int M, int N, int K, int gelu, int y_f32, int k_per_split, float* partial, int* counters) {
@@ -599,11 +595,10 @@ extern "C" __global__ void __launch_bounds__(128) matmul_skinny(
 
 // Hopper's warpgroup tensor-core instruction (wgmma, sm_90a): a warpgroup's 128 threads multiply a 64 x 16 tile of A by
 // a 16 x N tile of B (N = 32, 128 or 144 here), both in shared memory, into 64 x N fp32 accumulators, N / 2 per thread;
-// asynchronous: issue, commit, wait before touching them. Shared memory is given by 64-bit descriptors. Our tiles are
-// "K-major, 128-byte swizzle": a row holds 64 halves of K (128 bytes), rows come in groups of 8 (1024 bytes apart), and
-// 16-byte chunk c of row r sits at chunk c ^ (r % 8), so a group's 8 rows spread over all banks. The hardware XORs the
-// address bits alike: hence tiles start 1024-byte aligned, and a step along K inside the 128 bytes just adds 32 bytes
-// (16 halves) to the start address. CI's plain sm_90 build lacks the instruction: it traps instead.
+// asynchronous: issue, commit, wait. Shared memory is given by 64-bit descriptors. Our tiles are "K-major, 128-byte
+// swizzle": a row holds 64 halves of K, rows come in groups of 8 (1024 bytes apart), and 16-byte chunk c of row r sits
+// at chunk c ^ (r % 8), so a group's rows spread over all banks. The hardware XORs the address bits alike: tiles start
+// 1024-byte aligned, and a step along K within a row adds 32 bytes. CI's plain sm_90 build traps instead.
 __device__ __forceinline__ unsigned long long smem_desc(unsigned addr) {
     return ((addr & 0x3FFFF) >> 4) | (1ull << 16) | ((1024ull >> 4) << 32) | (1ull << 62);  // 62: 128-byte swizzle
 }
@@ -652,15 +647,14 @@ template <int N> __device__ __forceinline__ void wgmma_commit_and_wait() {  // a
 
 // 8. matmul_tc: y (M,N) = epilogue(x (M,K) @ w (N,K)^T), fp16 in and out, on wgmma. Compute-bound at prefill sizes:
 // 2*M*N*K FLOPs over (M*K + N*K + M*N) * 2 bytes. A block of BM/64 warpgroups owns a BM x BN tile of y (64 x BN each);
-// K goes by 64 through a STAGES-deep cp.async pipeline in the swizzled layout above, STAGES - 1 tiles in flight while
-// the tensor cores chew on one. When the tiles fill the SMs (prefill), 3 stages let two blocks share an SM, one
-// computing while the other waits, and tiles are 144 wide where that takes fewer rounds (2048 x 2304: 256 tiles of 144
-// fill the 2 x 132 block slots at once, 288 of 128 take two). With fewer tiles than SMs a block has its SM alone: 4 or
-// 8 stages, one wgmma group left running across the barrier so the tensor cores do not wait. Decode batches of 9-512
-// rows take 64-row tiles, 8 stages, 32 wide while those fill at most two blocks per SM: more tiles of fewer k-steps
-// finish sooner (as in cuBLAS); K is split over blockIdx.z as in matmul_skinny. Each thread copies one 16-byte column
-// chunk of every (threads/8)-th row, which the swizzle lands at the same column of each of its rows: a constant stride
-// apart, few instructions each. Rows past M, N and chunks past K are zero-filled (K % 8 == 0 suffices).
+// K goes by 64 through a STAGES-deep cp.async pipeline (swizzled as above), STAGES - 1 tiles in flight while the tensor
+// cores chew on one. Tiles filling the SMs (prefill): 3 stages let two blocks share an SM, one computing while the other
+// waits; 144 wide where that takes fewer rounds (2048 x 2304: 256 tiles of 144 fill the 2 x 132 block slots at once, 288
+// of 128 take two). Fewer tiles than SMs: 4 or 8 stages, one wgmma group left running across the barrier. Decode
+// batches of 9-512 rows: 64-row tiles, 8 stages, 32 wide while those fill at most two blocks per SM (more tiles of fewer
+// k-steps finish sooner, as in cuBLAS); K split over blockIdx.z as in matmul_skinny. Each thread copies one 16-byte
+// chunk of every (threads/8)-th row, which the swizzle lands at the same column of each: a constant stride apart. Rows
+// past M, N and chunks past K are zero-filled (K % 8 == 0 suffices).
 template <int BM, int BN, int STAGES>
 __global__ void __launch_bounds__(BM * 2, 256 / BM) matmul_tc(
     const half* x, const half* __restrict__ w, const half* __restrict__ bias, const half* residual, void* __restrict__ y,
@@ -930,11 +924,10 @@ extern "C" __global__ void __launch_bounds__(128) attention_prefill(
     }
 }
 
-// 10. penalize: NumpyBackend.penalize, one thread per (row, token) entry; the host lists each pair once, so no two
-// threads write one logit. Only the logits of tokens a sequence has seen change: bytes ~ 4 * 12 per entry.
+// 10. penalize: NumpyBackend.penalize, a thread per (row, token) entry, each pair listed once (no two threads write
+// one logit). Only the logits of tokens a sequence has seen change: ~48 bytes per entry.
 extern "C" __global__ void penalize(float* logits, int V, const int* rows, const int* ids, const int* output_counts,
-                                    const bool* banned, int E, const float* repetition, const float* presence,
-                                    const float* frequency) {
+    const bool* banned, int E, const float* repetition, const float* presence, const float* frequency) {
     const int e = blockIdx.x * blockDim.x + threadIdx.x;
     if (e >= E) return;
     const int row = rows[e], n = output_counts[e];
@@ -943,11 +936,10 @@ extern "C" __global__ void penalize(float* logits, int V, const int* rows, const
     *x = banned[e] ? NEG_INF : v - frequency[row] * n - (n > 0 ? presence[row] : 0.f);
 }
 
-// 11. sample_tokens: one token per row of fp32 logits (R, V), as sample_row in nanoinfer.py defines it (greedy;
-// temperature; top-k, top-p, min-p as thresholds on p = exp((logit - max) / temperature); a splitmix64 uniform
-// u; the first index whose running sum of kept p exceeds u * kept mass). A block per row: only R token ids leave the
-// GPU. No sort: for p >= 0 float bits order like values, so a binary search over bit patterns (~30 passes over p,
-// cached in shared memory) finds the exact k-th largest p and top-p threshold. Reads 4*V bytes per row; fp64 masses.
+// 11. sample_tokens: nanoinfer.sample_row, a block per row of fp32 logits (R, V): top-k, top-p, min-p as thresholds on
+// p = exp((logit - max) / temperature), then the first index whose running sum of kept p exceeds u * kept mass. No sort:
+// float bits of p >= 0 order like values, so a binary search over bit patterns (~30 passes over p, cached in shared
+// memory) finds the exact k-th largest p and top-p threshold. Reads 4*V bytes per row; fp64 masses.
 __device__ double block_sum(double v, double* scratch) {
     for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(FULL_MASK, v, off);
     __syncthreads();  // scratch may still be in use by the previous call
@@ -1073,11 +1065,10 @@ extern "C" __global__ void __launch_bounds__(1024, 1) sample_tokens(
 
 // ---------------------------------------------------------------------------------------------
 // CUDA-graph helpers. 12. decode_advance: a graph decode step's last kernel, so the next step needs no host (multi-step
-// decoding). Each row's sampled token goes to a ring of history rows (row substep % ring: one run's rows can be read
-// while the next writes). A live row moves on: its token becomes its next input, position and context length grow by
-// one, its new KV slot comes from its block table (blocks the engine reserved), its sampling counter steps; but after
-// its last allowed token (`remaining`) it becomes padding (slot -1). Tiny: a thread per row, 8 ints.
-// thread per row, 8 ints each.
+// decoding). Each row's token goes to a ring of history rows (row substep % ring: one run's rows are read while the
+// next writes). A live row moves on: its token becomes its input, position and context length grow by one, its KV slot
+// comes from its block table (blocks the engine reserved), its sampling counter steps; after its last allowed token
+// (`remaining`) it becomes padding (slot -1). Tiny: a thread per row, 8 ints.
 extern "C" __global__ void decode_advance(const int* tokens, int* input_ids, int* positions, int* context_lens,
                                           int* slot_mapping, int* step, int* remaining, const int* block_tables,
                                           int max_blocks, int block_size, int* history, int ring, int* substep, int B) {
