@@ -43,10 +43,12 @@ KERNELS_CU = Path(__file__).with_name("kernels.cu")
 TC_TILES = ((128, 128, 3), (128, 144, 3), (128, 128, 4), (64, 128, 3), (64, 128, 8), (64, 32, 8))  # BM, BN, stages
 TEMPLATES = [f"matmul_tc<{bm},{bn},{s}>" for bm, bn, s in TC_TILES] + ["matmul_gemv<4>", "matmul_gemv<8>"] + [
     f"{k}<{t}>" for t in ("float", "half") for k in ("layernorm", "embed", "cache_write", "attention_decode")]
-PLAIN = ["matmul_f32", "matmul_skinny", "attention_prefill", "penalize", "sample_tokens", "decode_advance",
-         "take_rows"]
+PLAIN = ["matmul_f32", "matmul_skinny", "attention_prefill", "penalize", "sample_candidates", "sample_pick",
+         "decode_advance", "take_rows"]
 GEMV_SMEM = 224 * 1024  # matmul_gemv keeps x in shared memory: K * 2 bytes at most
-SAMPLE_SMEM = 204 * 1024  # sample_tokens caches a row's p in shared memory up to V = 52224
+SAMPLE_LOGITS_PER_WARP, SAMPLE_CAP = 512, 16  # kernels.cu's sampler: a warp's share of a row, its candidates
+SAMPLE_HEAD_SMEM, SAMPLE_SMEM = 32 * 1024, 220 * 1024  # sample_pick's head; its cache of a row's p, up to V = 56320
+SAMPLE_ROWS = 1024  # rows sampled per pair of launches: the scratch between the two kernels is sized for this many
 
 
 def tc_smem(bm, bn, stages):
@@ -70,7 +72,7 @@ def compile_kernels():
         kernels[f"matmul_tc<{bm},{bn},{stages}>"].max_dynamic_shared_size_bytes = tc_smem(bm, bn, stages)
     for r in (4, 8):
         kernels[f"matmul_gemv<{r}>"].max_dynamic_shared_size_bytes = GEMV_SMEM
-    kernels["sample_tokens"].max_dynamic_shared_size_bytes = SAMPLE_SMEM
+    kernels["sample_pick"].max_dynamic_shared_size_bytes = SAMPLE_SMEM
     return kernels
 
 
@@ -217,6 +219,7 @@ class CudaBackend:
         # split-K scratch, allocated once: a CUDA graph keeps pointers, so nothing it uses may move later
         self._counters = cp.zeros(4096, np.int32)  # split-K and split-context arrival counters (self-resetting)
         self._partial = cp.empty(SPLITK_SCRATCH, np.float32)  # split-K partial sums
+        self._sample_scratch = {}  # V: (WarpSummary bytes, candidates) between the sampler's two kernels
 
     def check_model(self, config):
         if config.head_dim != 64 or config.n_inner % 8:
@@ -390,22 +393,29 @@ class CudaBackend:
                 cp.asarray(a) for a in (e.repetition, e.presence, e.frequency))))
         return logits
 
-    def sample_device(self, logits, temperature, top_k, top_p, seed, step, min_p=None):
-        """sample() without the copy back: the (R,) int32 token ids on the GPU."""
+    def sample_device(self, logits, temperature, top_k, top_p, seed, step, min_p):
+        """sample() without the copy back: the (R,) int32 token ids on the GPU. A warp per 512 logits of a row reduces
+        them to a summary and <= 16 candidates (sample_candidates), then a block per row picks (sample_pick)."""
         logits = self._contiguous(logits, np.float32)
         R, V = logits.shape
-        tokens = self.empty((R,), np.int32)
-        min_p = np.zeros(R, np.float32) if min_p is None else min_p
-        if R:
-            cache = V * 4 <= SAMPLE_SMEM
-            self.launch("sample_tokens", (R,), (1024,),
-                        (logits, np.int32(V), self._contiguous(temperature, np.float32),
-                         self._contiguous(top_k, np.int32), self._contiguous(top_p, np.float32),
-                         self._contiguous(min_p, np.float32), self._contiguous(seed, np.uint64),
-                         self._contiguous(step, np.int32), tokens, np.int32(cache)), shared_mem=V * 4 if cache else 0)
+        W = cdiv(V, SAMPLE_LOGITS_PER_WARP)  # warps per row
+        if V not in self._sample_scratch:  # kept for good: captured graphs hold its pointers
+            self._sample_scratch[V] = (cp.empty((SAMPLE_ROWS, W, 6), np.int32),
+                                       cp.empty((SAMPLE_ROWS, W, SAMPLE_CAP), np.uint64))
+        summary, candidates = self._sample_scratch[V]
+        tokens, cache = self.empty((R,), np.int32), V * 4 <= SAMPLE_SMEM
+        params = [self._contiguous(a, t) for a, t in ((temperature, np.float32), (top_k, np.int32),
+                                                      (top_p, np.float32), (min_p, np.float32), (seed, np.uint64),
+                                                      (step, np.int32))]
+        for r in range(0, R, SAMPLE_ROWS):
+            n, rows = min(SAMPLE_ROWS, R - r), slice(r, r + SAMPLE_ROWS)
+            args = (logits[rows], np.int32(V), np.int32(W), *(a[rows] for a in params), summary, candidates)
+            self.launch("sample_candidates", (cdiv(W, 8), n), (256,), args)
+            self.launch("sample_pick", (n,), (1024,), args + (tokens[rows], np.int32(cache)),
+                        shared_mem=max(SAMPLE_HEAD_SMEM, V * 4 * cache))
         return tokens
 
-    def sample(self, logits, temperature, top_k, top_p, seed, step, min_p=None):
+    def sample(self, logits, temperature, top_k, top_p, seed, step, min_p):
         return cp.asnumpy(self.sample_device(logits, temperature, top_k, top_p, seed, step, min_p)).astype(np.int64)
 
 # -----------------------------------------------------------------------------

@@ -15,7 +15,7 @@
 //   8. matmul_tc         the tiled tensor-core matmul on wgmma (prefill, decode batches of 9 and more)
 //   9. attention_prefill causal FlashAttention-2 over the paged KV cache, on mma.sync
 //  10. penalize          the logits processors before sampling: repetition, presence, frequency penalties, bans
-//  11. sample_tokens     one token per row of logits: greedy, temperature, top-k, top-p, min-p, no sort
+//  11. sample_candidates, sample_pick   one token per row: greedy, or an exponential race over the kept tokens
 //  12. decode_advance    CUDA-graph helper: the next decode step's inputs, made on the GPU
 //  13. take_rows         CUDA-graph helper: out[i] = src[rows[i]]
 
@@ -936,131 +936,353 @@ extern "C" __global__ void penalize(float* logits, int V, const int* rows, const
     *x = banned[e] ? NEG_INF : v - frequency[row] * n - (n > 0 ? presence[row] : 0.f);
 }
 
-// 11. sample_tokens: nanoinfer.sample_row, a block per row of fp32 logits (R, V): top-k, top-p, min-p as thresholds on
-// p = exp((logit - max) / temperature), then the first index whose running sum of kept p exceeds u * kept mass. No sort:
-// float bits of p >= 0 order like values, so a binary search over bit patterns (~30 passes over p, cached in shared
-// memory) finds the exact k-th largest p and top-p threshold. Reads 4*V bytes per row; fp64 masses.
-__device__ double block_sum(double v, double* scratch) {
+// 11. sampling: nanoinfer.sample_row. Greedy takes the row's argmax. Otherwise the exponential race (Gumbel-max): of the
+// kept tokens (top-k, top-p, min-p: thresholds), the one with the largest logit / T + gumbel(key, token), the noise
+// keyed by (seed, step, token) so that nothing else in the batch can move it. The race needs no running sum and the
+// kept set holds the largest logits only, so there is no sort of the row: two kernels.
+// sample_candidates: a warp per 512 logits of a row (32-logit segments dealt out in turn, so the low ids of common
+//   tokens spread over all warps), many blocks per row even at batch 1. It reduces its share to a WarpSummary (max,
+//   sum of exp for top-p, the race's best when nothing is filtered) and hands on its largest logits: all above a
+//   cutoff, at most 16. The cutoff starts just below its 8th-largest lane maximum (>= 8 logits lie above that), raised
+//   by bisection in the rare warp where more than 16 do. Reads 4 bytes a logit; a few FLOPs a logit, ~30 to race it.
+// sample_pick: a block per row. Every logit above the largest cutoff (the "head", ~300 of GPT-2's 50257 on random
+//   logits) is a candidate; with top-k only those at or above the k-th largest warp maximum matter. When the head
+//   holds every kept token (k <= its size; else a top-p mass or the min-p bound inside it: the usual case) it is
+//   ranked in shared memory (an entry's place: how many are larger), and the thresholds come from a prefix sum in that
+//   order. Otherwise the last resort: thresholds by bisection over the whole row's p, cached in shared memory.
+constexpr int SAMPLE_PER_LANE = 16, SAMPLE_RANK = 8, SAMPLE_CAP = 16, SAMPLE_SLOTS = 2;  // slots per sample_pick thread
+
+struct WarpSummary {  // one warp's share of a row, from sample_candidates to sample_pick
+    float max; int argmax;  // the largest logit and its first index
+    float sumexp;           // sum of exp((logit - max) / T)
+    unsigned cutoff;        // every logit whose order_key is above it is among the warp's candidates
+    float race; int race_at;  // rows with nothing filtered: the best logit / T + noise, and its token
+};
+
+__device__ __forceinline__ unsigned order_key(float x) {  // unsigned integers that order as the floats do
+    const unsigned u = __float_as_uint(x);
+    return u & 0x80000000u ? ~u : u | 0x80000000u;
+}
+__device__ __forceinline__ float key_float(unsigned k) { return __uint_as_float(k & 0x80000000u ? k & 0x7fffffffu : ~k); }
+
+__device__ __forceinline__ unsigned long long sample_key(unsigned long long seed, int step) {  // splitmix64
+    unsigned long long z = seed + (unsigned long long)(step + 1) * 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+__device__ __forceinline__ float gumbel(unsigned long long key, int token) {  // murmur3's finalizer of (token, key)
+    unsigned h = (unsigned)token * 0x9E3779B1u + (unsigned)key;
+    h ^= (unsigned)(key >> 32);
+    h ^= h >> 16; h *= 0x85EBCA6Bu; h ^= h >> 13; h *= 0xC2B2AE35u; h ^= h >> 16;
+    return -__logf(-__logf(((float)(h >> 9) + 0.5f) * (1.0f / 8388608.0f)));  // u in (0, 1), exactly
+}
+
+__device__ __forceinline__ void argmax_merge(float& v, int& i, float v2, int i2) {  // ties: the first index
+    if (v2 > v || (v2 == v && i2 < i)) { v = v2; i = i2; }
+}
+__device__ __forceinline__ void warp_argmax(float& v, int& i) {
+    for (int off = 16; off > 0; off >>= 1)
+        argmax_merge(v, i, __shfl_xor_sync(FULL_MASK, v, off), __shfl_xor_sync(FULL_MASK, i, off));
+}
+__device__ void block_argmax(float& v, int& i) {  // every thread gets the block's (value, first index)
+    __shared__ float vs[32];
+    __shared__ int is[32];
+    warp_argmax(v, i);
+    __syncthreads();  // the arrays may still be read by a previous call
+    if ((threadIdx.x & 31) == 0) { vs[threadIdx.x >> 5] = v; is[threadIdx.x >> 5] = i; }
+    __syncthreads();
+    for (int w = 0; w < (int)(blockDim.x >> 5); w++) argmax_merge(v, i, vs[w], is[w]);
+}
+template <typename T> __device__ T block_sum(T v) {  // the same order in every thread
+    __shared__ T scratch[32];
     for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(FULL_MASK, v, off);
-    __syncthreads();  // scratch may still be in use by the previous call
+    __syncthreads();
     if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
     __syncthreads();
-    double total = 0.0;
-    for (int w = 0; w < (int)(blockDim.x >> 5); w++) total += scratch[w];  // same order in every thread
+    T total = 0;
+    for (int w = 0; w < (int)(blockDim.x >> 5); w++) total += scratch[w];
     return total;
 }
 
-extern "C" __global__ void __launch_bounds__(1024, 1) sample_tokens(
-    const float* logits, int V, const float* temperature, const int* top_k, const float* top_p, const float* min_p,
-    const unsigned long long* seed, const int* step, int* tokens, int cache_p) {
-    wait_for_inputs();
-    __shared__ double scratch[32];
-    __shared__ float best_v[32];
-    __shared__ int best_i[32], result[2];
-    const int row = blockIdx.x, tid = threadIdx.x, nt = blockDim.x, lane = tid & 31, warp = tid >> 5;
-    const float* x = logits + (long)row * V;
-
-    // max and its first index (greedy's answer, and the softmax shift)
-    float bv = NEG_INF;
-    int bi = V;
-#pragma unroll 16  // 16 loads in flight per thread: the row is read in ~3 round trips, not ~12
-    for (int i = tid; i < V; i += nt)
-        if (x[i] > bv) { bv = x[i]; bi = i; }
-    for (int off = 16; off > 0; off >>= 1) {
-        float v2 = __shfl_xor_sync(FULL_MASK, bv, off);
-        int i2 = __shfl_xor_sync(FULL_MASK, bi, off);
-        if (v2 > bv || (v2 == bv && i2 < bi)) { bv = v2; bi = i2; }
-    }
-    if (lane == 0) { best_v[warp] = bv; best_i[warp] = bi; }
+template <typename T> __device__ T block_scan(T v, T& total) {  // the inclusive prefix sum over threads, and the sum
+    __shared__ T scratch[32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    for (int off = 1; off < 32; off <<= 1) { const T n = __shfl_up_sync(FULL_MASK, v, off); if (lane >= off) v += n; }
     __syncthreads();
-    bv = best_v[0]; bi = best_i[0];
-    for (int w = 1; w < nt / 32; w++)
-        if (best_v[w] > bv || (best_v[w] == bv && best_i[w] < bi)) { bv = best_v[w]; bi = best_i[w]; }
-    const float temp = temperature[row];
-    if (temp == 0.f) {
-        if (tid == 0) tokens[row] = bi;
-        return;
-    }
-    // p = exp((x - max) / temperature), computed once into shared memory when the row fits (V <= ~56K)
-    extern __shared__ float p_cache[];
-    if (cache_p) {
-        for (int i = tid; i < V; i += nt) p_cache[i] = expf((x[i] - bv) / temp);
-        __syncthreads();
-    }
-    auto P = [&](int i) { return cache_p ? p_cache[i] : expf((x[i] - bv) / temp); };  // max element: p == 1
+    if (lane == 31) scratch[warp] = v;
+    __syncthreads();
+    total = 0;
+    for (int w = 0; w < warps; w++) { if (w < warp) v += scratch[w]; total += scratch[w]; }
+    return v;
+}
+__device__ int block_min(int v) {
+    __shared__ int least;
+    __syncthreads();  // a previous call's result may still be read
+    if (threadIdx.x == 0) least = v;
+    __syncthreads();
+    v = __reduce_min_sync(FULL_MASK, v);
+    if ((threadIdx.x & 31) == 0) atomicMin(&least, v);
+    __syncthreads();
+    return least;
+}
 
-    // top-k: the largest t with count(p >= t) >= k is the k-th largest p
+__device__ __forceinline__ bool races_all(int V, int k, float top_p, float min_p) {  // nothing filtered
+    return (k <= 0 || k >= V) && top_p >= 1.f && min_p <= 0.f;
+}
+
+extern "C" __global__ void __launch_bounds__(256) sample_candidates(
+    const float* logits, int V, int W, const float* temperature, const int* top_k, const float* top_p,
+    const float* min_p, const unsigned long long* seed, const int* step, WarpSummary* summary,
+    unsigned long long* candidates) {
+    wait_for_inputs();
+    const int row = blockIdx.y, lane = threadIdx.x & 31, w = blockIdx.x * 8 + (threadIdx.x >> 5);
+    if (w >= W) return;
+    const float* x = logits + (long)row * V;
+    auto index = [&](int j) { return (w + j * W) * 32 + lane; };  // this lane's j-th logit
+    float v[SAMPLE_PER_LANE], lane_max = NEG_INF;
+    int lane_at = V;
+#pragma unroll
+    for (int j = 0; j < SAMPLE_PER_LANE; j++) v[j] = index(j) < V ? x[index(j)] : NEG_INF;
+#pragma unroll
+    for (int j = 0; j < SAMPLE_PER_LANE; j++)
+        if (v[j] > lane_max) { lane_max = v[j]; lane_at = index(j); }
+    float m = lane_max;
+    int at = lane_at;
+    warp_argmax(m, at);
+    WarpSummary s = {m, at, 0.f, 0u, NEG_INF, V};
+    const float T = temperature[row], inv_t = 1.f / T;
+    const int k = top_k[row] < V ? top_k[row] : 0;
+    if (T > 0.f && races_all(V, k, top_p[row], min_p[row])) {  // nothing filtered: race every logit here
+        const unsigned long long key = sample_key(seed[row], step[row]);
+        float best = NEG_INF;
+        int best_at = V;
+#pragma unroll
+        for (int j = 0; j < SAMPLE_PER_LANE; j++)
+            if (index(j) < V) argmax_merge(best, best_at, v[j] * inv_t + gumbel(key, index(j)), index(j));
+        warp_argmax(best, best_at);
+        s.race = best;
+        s.race_at = best_at;
+    } else if (T > 0.f) {
+        if (k <= 0 && top_p[row] < 1.f) {  // top-p alone needs the row's mass
+            float sum = 0.f;  // __expf: masses place top-p's boundary only to within rounding anyway
+#pragma unroll
+            for (int j = 0; j < SAMPLE_PER_LANE; j++) sum += m == NEG_INF ? 0.f : __expf((v[j] - m) * inv_t);
+            for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(FULL_MASK, sum, off);
+            s.sumexp = sum;
+        }
+        float sorted = lane_max;  // the lane maxima, sorted descending across the warp (bitonic)
+        for (int kk = 2; kk <= 32; kk <<= 1)
+            for (int j = kk >> 1; j > 0; j >>= 1) {
+                const float o = __shfl_xor_sync(FULL_MASK, sorted, j);
+                sorted = ((lane & j) == 0) == ((lane & kk) == 0) ? fmaxf(sorted, o) : fminf(sorted, o);
+            }
+        auto above = [&](unsigned cut) {  // how many of the warp's logits have an order key above cut
+            int n = 0;
+#pragma unroll
+            for (int j = 0; j < SAMPLE_PER_LANE; j++) n += order_key(v[j]) > cut;
+            return n;
+        };
+        unsigned cut = order_key(__shfl_sync(FULL_MASK, sorted, SAMPLE_RANK - 1)) - 1;
+        if (__reduce_add_sync(FULL_MASK, above(cut)) > SAMPLE_CAP) {  // crowded: the least cutoff leaving <= 16
+            unsigned lo = cut, hi = order_key(m);
+            while (hi - lo > 1) {
+                const unsigned mid = lo + (hi - lo) / 2;
+                if (__reduce_add_sync(FULL_MASK, above(mid)) <= SAMPLE_CAP) hi = mid; else lo = mid;
+            }
+            cut = hi;
+        }
+        const int mine = above(cut);
+        int pos = mine;  // this lane's place in the warp's list: an exclusive prefix sum
+        for (int off = 1; off < 32; off <<= 1) {
+            const int n = __shfl_up_sync(FULL_MASK, pos, off);
+            if (lane >= off) pos += n;
+        }
+        s.cutoff = cut;
+        const int count = __shfl_sync(FULL_MASK, pos, 31);
+        pos -= mine;
+        unsigned long long* out = candidates + ((long)row * W + w) * SAMPLE_CAP;
+        if (count <= lane && lane < SAMPLE_CAP) out[lane] = 0ull;  // an empty slot
+#pragma unroll
+        for (int j = 0; j < SAMPLE_PER_LANE; j++)
+            if (order_key(v[j]) > cut) out[pos++] = (unsigned long long)order_key(v[j]) << 32 | (unsigned)index(j);
+    }
+    if (lane == 0) summary[(long)row * W + w] = s;
+}
+
+// sample_pick's last resort, when the kept set reaches below the head (a flat row, a large k): the least kept p over
+// the whole row, found by bisection on p's float bits (p >= 0 orders like its bits): top-k's k-th largest p, then
+// top-p's threshold within the top-k set, then min-p. About 30 passes each for top-k and top-p over the row's p,
+// which P(i) reads from shared memory when the row fits (V <= ~56K), else computes from the logits again.
+template <typename Prob> __device__ float row_threshold(int V, Prob P, int k, float tp, float mp) {
     unsigned lo = 0u;
-    const int k = top_k[row];
-    if (k > 0 && k < V) {
+    if (k > 0) {  // the largest t with count(p >= t) >= k
         unsigned hi = 0x3f800000u;  // 1.0f
         while (lo < hi) {
-            unsigned mid = lo + (hi - lo + 1) / 2;
-            float t = __uint_as_float(mid);
+            const unsigned mid = lo + (hi - lo + 1) / 2;
             int c = 0;
-            for (int i = tid; i < V; i += nt) c += P(i) >= t;
-            if (block_sum(c, scratch) >= k) lo = mid; else hi = mid - 1;
+#pragma unroll 8  // loads in flight
+            for (int i = threadIdx.x; i < V; i += blockDim.x) c += P(i) >= __uint_as_float(mid);
+            if (block_sum(c) >= k) lo = mid; else hi = mid - 1;
         }
     }
-    auto kept_above = [&](float t) {  // the mass of the p >= t
-        double m = 0.0;
-        for (int i = tid; i < V; i += nt) { float p = P(i); m += p >= t ? p : 0.f; }
-        return block_sum(m, scratch);
-    };
-    float thr = __uint_as_float(lo);
-    double kept = kept_above(thr);
-    // top-p: the largest t (>= the top-k threshold) with mass(p >= t) >= top_p * kept mass
-    const float tp = top_p[row];
-    if (tp < 1.f) {
-        const double target = (double)tp * kept;
+    if (tp < 1.f) {  // the largest t with mass(p >= t) >= top_p * the top-k set's mass
+        auto mass_above = [&](float t) {
+            float s = 0.f;  // ~50 values per thread: fp32 is enough, fp64 across threads
+#pragma unroll 8
+            for (int i = threadIdx.x; i < V; i += blockDim.x) { const float p = P(i); s += p >= t ? p : 0.f; }
+            return block_sum((double)s);
+        };
+        const double target = (double)tp * mass_above(__uint_as_float(lo));
         unsigned hi = 0x3f800000u;
         while (lo < hi) {
-            unsigned mid = lo + (hi - lo + 1) / 2;
-            float t = __uint_as_float(mid);
-            float mass = 0.f;  // ~50 values per thread: fp32 is enough, fp64 across threads
-            for (int i = tid; i < V; i += nt) { float p = P(i); mass += p >= t ? p : 0.f; }
-            if (block_sum(mass, scratch) >= target) lo = mid; else hi = mid - 1;
+            const unsigned mid = lo + (hi - lo + 1) / 2;
+            if (mass_above(__uint_as_float(mid)) >= target) lo = mid; else hi = mid - 1;
         }
-        thr = __uint_as_float(lo);
-        kept = kept_above(thr);
     }
-    if (min_p[row] > thr) {  // min-p: p >= min_p, as the largest p is 1
-        thr = min_p[row];
-        kept = kept_above(thr);
+    return fmaxf(__uint_as_float(lo), mp);
+}
+
+// sorted[place] = e for each of the n entries e of head (unique), its place being how many entries are larger; this
+// thread ranks entries tid + q * blockDim.x, all in one pass over head (two entries per 16-byte load)
+__device__ void rank_into(const unsigned long long* head, int n, unsigned long long* sorted) {
+    unsigned long long e[SAMPLE_SLOTS];
+    int place[SAMPLE_SLOTS];
+#pragma unroll
+    for (int q = 0; q < SAMPLE_SLOTS; q++) {
+        const int i = threadIdx.x + q * blockDim.x;
+        e[q] = i < n ? head[i] : ~0ull;
+        place[q] = 0;
+    }
+    const ulonglong2* pairs = reinterpret_cast<const ulonglong2*>(head);
+#pragma unroll 4
+    for (int j = 0; j < n / 2; j++) {
+        const ulonglong2 h = pairs[j];
+#pragma unroll
+        for (int q = 0; q < SAMPLE_SLOTS; q++) place[q] += (h.x > e[q]) + (h.y > e[q]);
+    }
+#pragma unroll
+    for (int q = 0; q < SAMPLE_SLOTS; q++) {
+        if (n & 1) place[q] += head[n - 1] > e[q];
+        if (threadIdx.x + q * blockDim.x < n) sorted[place[q]] = e[q];
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(1024, 1) sample_pick(
+    const float* logits, int V, int W, const float* temperature, const int* top_k, const float* top_p,
+    const float* min_p, const unsigned long long* seed, const int* step, const WarpSummary* summary,
+    const unsigned long long* candidates, int* tokens, int cache_p) {
+    wait_for_inputs();
+    extern __shared__ __align__(16) unsigned long long dynamic_smem[];  // the head; in the last resort, the row's p
+    unsigned long long *head = dynamic_smem, *sorted = dynamic_smem + SAMPLE_SLOTS * 1024;
+    __shared__ unsigned bound;
+    const int row = blockIdx.x, tid = threadIdx.x, nt = blockDim.x;
+    const WarpSummary* ws = summary + (long)row * W;
+    const float* x = logits + (long)row * V;
+    const float T = temperature[row];
+    const bool fits = W * SAMPLE_CAP <= SAMPLE_SLOTS * nt;
+    unsigned long long c[SAMPLE_SLOTS];  // candidate slots tid + j * nt: (order key, token), 0 if empty
+#pragma unroll
+    for (int j = 0; j < SAMPLE_SLOTS; j++)
+        c[j] = T > 0.f && fits && j * nt + tid < W * SAMPLE_CAP
+             ? candidates[(long)row * W * SAMPLE_CAP + j * nt + tid] : 0ull;
+    float m = NEG_INF;  // the row's max and its first index: greedy's answer, and the softmax shift
+    int at = V;
+    if (tid == 0) bound = 0u;
+    __syncthreads();
+    for (int w = tid; w < W; w += nt) { argmax_merge(m, at, ws[w].max, ws[w].argmax); atomicMax(&bound, ws[w].cutoff); }
+    block_argmax(m, at);
+    if (T == 0.f) {
+        if (tid == 0) tokens[row] = at;
+        return;
+    }
+    const int k = top_k[row] < V ? top_k[row] : 0;
+    const float tp = top_p[row], mp = min_p[row];
+    const unsigned long long key = sample_key(seed[row], step[row]);
+    float r = NEG_INF;  // the race's best so far, and its token
+    int r_at = V;
+    if (races_all(V, k, tp, mp)) {  // every token raced in sample_candidates: the best of the warps' best
+        for (int w = tid; w < W; w += nt) argmax_merge(r, r_at, ws[w].race, ws[w].race_at);
+        block_argmax(r, r_at);
+        if (tid == 0) tokens[row] = r_at;
+        return;
+    }
+    const float inv_t = 1.f / T;
+    auto P = [&](float logit) { return __expf((logit - m) * inv_t); };
+    auto race = [&](float logit, int token) { argmax_merge(r, r_at, logit * inv_t + gumbel(key, token), token); };
+    double mass = 0.0;  // top-p alone: the row's p mass, from the warps' sums
+    if (k == 0 && tp < 1.f) {
+        for (int w = tid; w < W; w += nt) mass += ws[w].max == NEG_INF ? 0.0 : ws[w].sumexp * (double)P(ws[w].max);
+        mass = block_sum(mass);
     }
 
-    // u = uniform(seed, step), splitmix64 on seed + (step + 1) * golden ratio
-    unsigned long long z = seed[row] + (unsigned long long)(step[row] + 1) * 0x9E3779B97F4A7C15ull;
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    z ^= z >> 31;
-    const double r = (double)((float)(z >> 40) * (1.0f / 16777216.0f)) * kept;
-
-    // the first index whose running sum exceeds r: each thread walks a contiguous chunk, in order
-    const int per = (V + nt - 1) / nt, i0 = min(V, tid * per), i1 = min(V, i0 + per);
-    double local = 0.0;
-    int last_kept = -1;
-    for (int i = i0; i < i1; i++) { float p = P(i); if (p >= thr) { local += p; last_kept = i; } }
-    double inc = local;  // inclusive scan of the chunk sums across the block
-    for (int off = 1; off < 32; off <<= 1) { double n = __shfl_up_sync(FULL_MASK, inc, off); if (lane >= off) inc += n; }
+    // the head: every candidate above the largest cutoff, as every logit above it is one. With top-k (k <= W) only
+    // those at or above the k-th largest warp maximum can be in the top k (k logits reach it): the rest are dropped
+    __shared__ unsigned kth_max;
+    if (tid == 0) kth_max = ~0u;
     __syncthreads();
-    if (lane == 31) scratch[warp] = inc;
-    if (tid < 2) result[tid] = tid == 0 ? V : -1;
+    if (0 < k && k <= W && tid < W) {  // the k-th largest warp maximum: the least that fewer than k exceed
+        int larger = 0;
+        for (int w = 0; w < W; w++) larger += ws[w].max > ws[tid].max;
+        if (larger < k) atomicMin(&kth_max, order_key(ws[tid].max));
+    }
     __syncthreads();
-    double before = __shfl_up_sync(FULL_MASK, inc, 1);
-    if (lane == 0) before = 0.0;
-    for (int w = 0; w < warp; w++) before += scratch[w];
-    int found = V;
-    if (before + local > r)
-        for (int i = i0; i < i1; i++) {
-            float p = P(i);
-            if (p >= thr && (before += p) > r) { found = i; break; }
+    const unsigned least = 0 < k && k <= W ? max(bound + 1, kth_max) : bound + 1;  // the least order key kept
+    int mine = 0;
+    double head_mass = 0.0;
+#pragma unroll
+    for (int j = 0; j < SAMPLE_SLOTS; j++)
+        if ((unsigned)(c[j] >> 32) >= least) {
+            mine++;
+            if (k == 0 && tp < 1.f) head_mass += P(key_float((unsigned)(c[j] >> 32)));
         }
-    found = __reduce_min_sync(FULL_MASK, (unsigned)found);
-    last_kept = __reduce_max_sync(FULL_MASK, last_kept);
-    if (lane == 0) { atomicMin(&result[0], found); atomicMax(&result[1], last_kept); }
+    int N, pos = block_scan(mine, N) - mine;
+#pragma unroll
+    for (int j = 0; j < SAMPLE_SLOTS; j++) if ((unsigned)(c[j] >> 32) >= least) head[pos++] = c[j];
+    if (k == 0 && tp < 1.f) head_mass = block_sum(head_mass);
+    // does it hold every token the filters keep? top-k: k <= N; else top-p: top_p of the mass; else min-p alone
+    const bool in_head = fits && (k > 0 ? k <= N : tp < 1.f ? head_mass >= (double)tp * mass
+                                                             : P(key_float(bound)) < mp);
+    if (!in_head) {  // the last resort: thresholds over the whole row, and the race among all it keeps
+        float* p_cache = reinterpret_cast<float*>(dynamic_smem);
+        __syncthreads();  // the head is done with
+        if (cache_p) for (int i = tid; i < V; i += nt) p_cache[i] = P(x[i]);
+        __syncthreads();
+        const float thr = row_threshold(V, [&](int i) { return cache_p ? p_cache[i] : P(x[i]); }, k, tp, mp);
+#pragma unroll 8
+        for (int i = tid; i < V; i += nt) if ((cache_p ? p_cache[i] : P(x[i])) >= thr) race(x[i], i);
+        block_argmax(r, r_at);
+        if (tid == 0) tokens[row] = r_at;
+        return;
+    }
+
+    // sorted descending: an entry's place is how many entries are larger (keys are unique: they hold the token)
     __syncthreads();
-    if (tid == 0) tokens[row] = result[0] < V ? result[0] : result[1];  // rounding past the end: last kept
+    rank_into(head, N, sorted);
+    __syncthreads();
+    auto logit_at = [&](int i) { return key_float((unsigned)(sorted[i] >> 32)); };
+    // this thread's run of the sorted head, for prefix sums in order: [i0, i1)
+    const int per = (N + nt - 1) / nt, i0 = min(N, tid * per), i1 = min(N, i0 + per);
+    int n = N;  // top-k: the entries at or above the k-th largest (its ties too)
+    if (k > 0) {
+        int first_below = N;
+        for (int i = i0; i < i1 && first_below == N; i++) if (logit_at(i) < logit_at(k - 1)) first_below = i;
+        n = block_min(first_below);
+    }
+    float thr = mp;  // min-p: p >= min_p, as the largest p is 1
+    if (tp < 1.f) {  // top-p: the p at which the running sum first reaches top_p of the top-k (or row's) mass
+        double run = 0.0, kept_mass;
+        for (int i = i0; i < min(i1, n); i++) run += P(logit_at(i));
+        run = block_scan(run, kept_mass) - run;
+        const double target = (double)tp * (k > 0 ? kept_mass : mass);
+        int j = n;
+        for (int i = i0; i < min(i1, n) && j == n; i++) if ((run += P(logit_at(i))) >= target) j = i;
+        j = block_min(j);
+        thr = fmaxf(thr, P(logit_at(j < n ? j : n - 1)));
+    }
+    for (int i = tid; i < n; i += nt) if (P(logit_at(i)) >= thr) race(logit_at(i), (int)(unsigned)sorted[i]);
+    block_argmax(r, r_at);
+    if (tid == 0) tokens[row] = r_at;
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -31,14 +31,28 @@ def gelu_tanh(x):
     return 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x * x * x)))
 
 
-def uniform(seed, step):
-    """A counter-based random number in [0, 1) per (seed, step), splitmix64 on CPU and GPU: samples ignore the batch."""
+def sample_key(seed, step):
+    """The random key of a request's step-th token: splitmix64 of seed + (step + 1) * the golden ratio (uint64)."""
     seed, step = np.asarray(seed, np.uint64), np.asarray(step, np.uint64)
     z = seed + (step + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15)
     z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
     z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    z = z ^ (z >> np.uint64(31))
-    return (z >> np.uint64(40)).astype(np.float32) * np.float32(2.0 ** -24)
+    return z ^ (z >> np.uint64(31))
+
+
+def gumbel(key, n):
+    """Gumbel noise -log(-log(u)) for tokens 0..n-1 under one key: u from 23 bits of murmur3's finalizer of (token,
+    key), so a token's noise depends on nothing but its seed, step and id (float32, as the kernel computes it)."""
+    key = int(key)
+    h = np.arange(n, dtype=np.uint32) * np.uint32(0x9E3779B1) + np.uint32(key & 0xFFFFFFFF)
+    h ^= np.uint32(key >> 32)
+    h ^= h >> np.uint32(16)
+    h *= np.uint32(0x85EBCA6B)
+    h ^= h >> np.uint32(13)
+    h *= np.uint32(0xC2B2AE35)
+    h ^= h >> np.uint32(16)
+    u = ((h >> np.uint32(9)).astype(np.float32) + np.float32(0.5)) * np.float32(2.0 ** -23)  # in (0, 1), exactly
+    return -np.log(-np.log(u))
 
 
 def sampling_probs(logits, temperature, top_k, top_p, min_p=0.0):
@@ -56,13 +70,16 @@ def sampling_probs(logits, temperature, top_k, top_p, min_p=0.0):
     return p
 
 
-def sample_row(logits, temperature, top_k, top_p, u, min_p=0.0):
-    """One token from one row of logits: greedy, or the first index whose running sum of p exceeds u * the total."""
+def sample_row(logits, temperature, top_k, top_p, key, min_p=0.0):
+    """One token from one row of fp32 logits: greedy's argmax, or the exponential race (Gumbel-max): the kept token
+    with the largest logit / temperature + gumbel(key). That draws token i with probability p_i / sum(p), and, like
+    greedy, a last-bit change in a logit can change the token only where two scores are within rounding (a pick by
+    running sum, u * total, moves across a whole token on a flat row when the sum's last bits move)."""
     if temperature == 0:
         return int(np.argmax(logits))
-    p = sampling_probs(logits, temperature, top_k, top_p, min_p)
-    cdf = np.cumsum(p)
-    return int(min(np.searchsorted(cdf, u * cdf[-1], side="right"), np.flatnonzero(p)[-1]))
+    kept = sampling_probs(logits.astype(np.float64), temperature, top_k, top_p, min_p) > 0
+    score = logits * (np.float32(1) / np.float32(temperature)) + gumbel(key, len(logits))  # float32, as on the GPU
+    return int(np.argmax(np.where(kept, score, -np.inf)))
 
 
 class NumpyBackend:
@@ -151,10 +168,9 @@ class NumpyBackend:
         logits[e.rows, e.ids] = np.where(e.banned, -np.inf, x)
         return logits
 
-    def sample(self, logits, temperature, top_k, top_p, seed, step, min_p=None):
-        u = uniform(seed, step)  # float64 below: the running sum over 50257 probabilities stays exact
-        min_p = np.zeros(len(logits), np.float32) if min_p is None else min_p
-        return np.array([sample_row(logits[r].astype(np.float64), temperature[r], top_k[r], top_p[r], u[r], min_p[r])
+    def sample(self, logits, temperature, top_k, top_p, seed, step, min_p):
+        keys, logits = sample_key(seed, step), logits.astype(np.float32)
+        return np.array([sample_row(logits[r], temperature[r], top_k[r], top_p[r], keys[r], min_p[r])
                          for r in range(len(logits))], dtype=np.int64)
 
 
