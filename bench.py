@@ -156,12 +156,19 @@ class Roofline:
         self.matmul(work, "ln+fc+gelu", T, 4 * C, C, gelu=True, ln=True)
         self.matmul(work, "mlp_proj+res", T, C, 4 * C, residual=True)
         self.matmul(work, "ln+lm_head", R, V, C, bias=False, ln=True, out_dtype=np.float32)
-        logits = [self.randn(R, V, dtype=np.float32) * 3 for _ in range(8)]
-        temp, top_k, top_p = cp.full(R, 0.8, np.float32), cp.full(R, 50, np.int32), cp.full(R, 0.9, np.float32)
-        seed, step = cp.arange(R, dtype=np.uint64), cp.zeros(R, np.int32)
-        for name, t in (("sample greedy", temp * 0), ("sample k50 p.9", temp)):
-            self.time_kernel(work, name, f"{R}x{V}", R * V * 4, 0,
-                             lambda i: be.sample_device(logits[i], t, top_k, top_p, seed, step), 8)
+
+    def sampler(self):
+        """The sampler on random logits (sd 3) of batch 1 and 256: greedy, temperature alone, top-k 50 with top-p 0.95
+        (the head's way), top-p 0.95 alone (rows this flat take sample_pick's whole-row way)."""
+        cp, be, V = self.cp, self.be, self.V
+        for R in (1, 256):
+            logits = [self.randn(R, V, dtype=np.float32) * 3 for _ in range(self.n_rot(R * V * 4, cap=8))]
+            seed, step, min_p = cp.arange(R, dtype=np.uint64), cp.zeros(R, np.int32), cp.zeros(R, np.float32)
+            for name, t, k, p in (("greedy", 0, 0, 1), ("T.8", 0.8, 0, 1), ("T.8 k50 p.95", 0.8, 50, 0.95),
+                                  ("T.8 p.95", 0.8, 0, 0.95)):
+                params = [cp.full(R, v, d) for v, d in ((t, np.float32), (k, np.int32), (p, np.float32))]
+                self.time_kernel(f"sample{R}", name, f"{R}x{V}", R * V * 4, 0, lambda i: be.sample_device(
+                    logits[i], *params, seed, step, min_p), len(logits))
 
     def targets(self):
         """Issue 4's (name, ours, unit, reference, its name, target ratio): matmuls vs cuBLAS, memory-bound vs copy."""
@@ -197,6 +204,7 @@ def bench_kernels(results, plot):
     print_matmul_plans(cp.cuda.Device().attributes["MultiProcessorCount"])
     for work, S, n_q, ctx in (("decode1", 1, 1, 512), ("decode64", 64, 1, 512), ("prefill2048", 2, 1024, 1024)):
         roof.step_kernels(work, S, n_q, ctx)
+    roof.sampler()
     print(f"{'workload':11} {'kernel':14} {'shape':19} {'us':>8} {'GB/s':>6} {'TFLOP/s':>7} {'%copy':>5} "
           f"{'%cuBLAS':>7}  bound")
     for r in roof.rows:
@@ -223,11 +231,16 @@ def greedy(n):
     return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
 
 
-def time_generate(llm, prompts, max_tokens):
+def sampled(n):  # the sampling users run: HF's top-k 50 with top-p 0.95 (sample.py's default top-p)
+    return SamplingParams(max_tokens=n, temperature=0.8, top_k=50, top_p=0.95, ignore_eos=True)
+
+
+def time_generate(llm, prompts, max_tokens, params=greedy):
     """(output tokens/s, seconds) of one generate() over these prompts, after a short warm-up."""
-    llm.generate(prompts, greedy(4))
+    llm.generate(prompts, params(4))
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, [greedy(n) for n in max_tokens] if isinstance(max_tokens, list) else greedy(max_tokens))
+    each = [params(n) for n in max_tokens] if isinstance(max_tokens, list) else params(max_tokens)
+    outs = llm.generate(prompts, each)
     dt = time.perf_counter() - t0
     return sum(len(o.token_ids) for o in outs) / dt, dt
 
@@ -299,6 +312,18 @@ def torch_graph_decode(size, batch, context, steps=200):
     return start.elapsed_time(end) / steps
 
 
+def sampling_cost(llm, one, prompts, lens, rounds=3):
+    """Sampled against greedy, single stream and offline, alternating in one engine: medians and their ratio."""
+    runs = {(w, p): [] for w in ("single stream", "offline") for p in (sampled, greedy)}
+    for _ in range(rounds):
+        for params in (sampled, greedy):
+            runs["single stream", params].append(time_generate(llm, one, 256, params)[0])
+            runs["offline", params].append(time_generate(llm, prompts, lens, params)[0])
+    med = {key: float(np.median(v)) for key, v in runs.items()}
+    return "; ".join(f"{w} {med[w, sampled]:,.0f} vs {med[w, greedy]:,.0f} ({med[w, sampled] / med[w, greedy]:.1%})"
+                     for w in ("single stream", "offline"))
+
+
 ABLATIONS = (("CUDA graphs off", dict(cuda_graphs=False)),  # a lesson each: its label, the LLM switch that turns it off
              ("multi-step decoding off (one graph run per step, its tokens read before the next is launched)",
               dict(num_scheduler_steps=1)),
@@ -336,6 +361,7 @@ def bench_gpu(path):
     rows.append(dict(workload="offline: 256 requests, 64..512 in and out", ours=time_generate(llm, prompts, lens)[0],
                      anchor=256 * 1e3 / torch_graph_decode("gpt2", 256, 320), anchor_name="PyTorch graph B=256 ctx 320",
                      target=100000))
+    lessons["sampling (T 0.8, top-k 50, top-p 0.95) against greedy, tok/s"] = sampling_cost(llm, one, prompts, lens)
     llm.scheduler.max_num_seqs = 64
     cont, t0 = time_generate(llm, prompts, lens)[0], time.perf_counter()  # continuous, then static: 64 at a time
     for i in range(0, 256, 64):
