@@ -237,12 +237,12 @@ def sampled(n):  # the sampling users run: HF's top-k 50 with top-p 0.95 (sample
 
 def time_generate(llm, prompts, max_tokens, params=greedy):
     """(output tokens/s, seconds) of one generate() over these prompts, after a short warm-up."""
-    llm.generate(prompts, params(4))
+    llm.generate(prompts, params(4), use_tqdm=False)
     t0 = time.perf_counter()
     each = [params(n) for n in max_tokens] if isinstance(max_tokens, list) else params(max_tokens)
-    outs = llm.generate(prompts, each)
+    outs = llm.generate(prompts, each, use_tqdm=False)
     dt = time.perf_counter() - t0
-    return sum(len(o.token_ids) for o in outs) / dt, dt
+    return sum(len(o.outputs[0].token_ids) for o in outs) / dt, dt
 
 
 def time_transformers(path, prompts, max_tokens, device):
@@ -365,7 +365,7 @@ def bench_gpu(path):
     llm.scheduler.max_num_seqs = 64
     cont, t0 = time_generate(llm, prompts, lens)[0], time.perf_counter()  # continuous, then static: 64 at a time
     for i in range(0, 256, 64):
-        llm.generate(prompts[i:i + 64], [greedy(n) for n in lens[i:i + 64]])
+        llm.generate(prompts[i:i + 64], [greedy(n) for n in lens[i:i + 64]], use_tqdm=False)
     lessons["at most 64 sequences: continuous vs static batching (tok/s)"] = \
         f"{cont:,.0f} vs {sum(lens) / (time.perf_counter() - t0):,.0f}"
     c, pool = llm.config, llm.kv.num_blocks * llm.kv.block_size  # how many of those sequences the KV pool holds

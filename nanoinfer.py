@@ -12,6 +12,7 @@ import math
 import signal
 import sys
 import threading
+import time
 import traceback
 from collections import Counter, deque, namedtuple
 from dataclasses import dataclass, field
@@ -245,6 +246,7 @@ class GPT:
 
 @dataclass
 class SamplingParams:
+    n: int = 1  # samples of the prompt: they share its KV blocks, and each draws its own tokens
     max_tokens: int = 16
     temperature: float = 1.0  # 0 is greedy
     top_p: float = 1.0
@@ -268,6 +270,7 @@ class SamplingParams:
         stop_ok = isinstance(self.stop, list) and all(isinstance(x, str) and x for x in self.stop)
         ids_ok = isinstance(self.stop_token_ids, (list, tuple)) and all(is_int(t, 0) for t in self.stop_token_ids)
         refuse_bad("SamplingParams", (
+            ("n", self.n, is_int(self.n, 1, 256), "an integer in [1, 256]"),
             ("max_tokens", self.max_tokens, is_int(self.max_tokens, 1), "an integer >= 1"),
             ("temperature", self.temperature, is_number(self.temperature) and self.temperature >= 0,
              "a number >= 0 (0 is greedy)"),
@@ -309,13 +312,30 @@ def refuse_bad(owner, checks):
 
 
 @dataclass
-class RequestOutput:
-    request_id: int
-    prompt_token_ids: list
+class Logprob:  # vLLM's: a token's log-probability under the model, its rank there (1: the most likely), its text
+    logprob: float
+    rank: int = None
+    decoded_token: str = None
+
+
+@dataclass
+class CompletionOutput:  # one sample of a request, as vLLM's
+    index: int
     text: str = ""
     token_ids: list = field(default_factory=list)
-    finish_reason: str = None  # 'stop' (EOS or a stop string), 'length' (max_tokens or the context), 'abort', 'error'
-    logprobs: list = None  # with logprobs=k: per token {'token': logprob of the chosen one, 'top': [(id, logprob)] * k}
+    cumulative_logprob: float = None  # with logprobs: the sum over the sampled tokens
+    logprobs: list = None  # with logprobs=k: per token, {token id: Logprob} for the sampled one and the k most likely
+    finish_reason: str = None  # 'stop' (EOS, a stop string or token), 'length' (max_tokens, the context), 'abort', 'error'
+    stop_reason: object = None  # the stop string or stop token id that ended it (None for EOS and length)
+
+
+@dataclass
+class RequestOutput:  # as vLLM's, and `error`: why a request failed or was refused
+    request_id: int
+    prompt: str
+    prompt_token_ids: list
+    outputs: list  # a CompletionOutput per sample (SamplingParams.n)
+    finished: bool = True
     error: str = None
 
 # -----------------------------------------------------------------------------
@@ -382,6 +402,27 @@ class EagerRunner:
         pass  # nor is anything launched ahead to forget
 
 
+class Request:
+    """A prompt and its SamplingParams: n sequences (samples), the outbox their events go to. The first sequence
+    prefills the prompt; the others start once it is in the KV cache, sharing its full blocks (LLM._fork)."""
+    def __init__(self, request_id, prompt, seqs, outbox):
+        self.request_id, self.prompt, self.seqs, self.outbox = request_id, prompt, seqs, outbox
+        self.unforked = seqs[1:]  # samples waiting for the first one's prompt
+
+    @property
+    def finished(self):
+        return all(seq.finish_reason for seq in self.seqs)
+
+    def output(self):
+        def completion(s):
+            total = None if s.logprobs is None else sum(lp[t].logprob for lp, t in zip(s.logprobs, s.output_token_ids))
+            return CompletionOutput(s.index, s.text, s.output_token_ids, total, s.logprobs, s.finish_reason,
+                                    s.stop_reason)
+        return RequestOutput(self.request_id, self.prompt, self.seqs[0].prompt_token_ids,
+                             [completion(s) for s in self.seqs], self.finished,
+                             next((s.error for s in self.seqs if s.error), None))
+
+
 class LLM:
     """The engine. step() is the whole loop: the scheduler picks this step's tokens, they become one flat batch, the
     runner runs the model over it and samples, and the new tokens go to their sequences.
@@ -428,7 +469,7 @@ class LLM:
             self.runner = EagerRunner(self.model, self.kv)
         self._rng = np.random.default_rng(seed)  # seeds for requests that bring none
         self._next_id = 0
-        self._requests = {}  # request id -> (its Sequence, the outbox its events go to), until its last event
+        self._requests = {}  # request id -> Request, until its last event
         self._step_outbox = []  # the outbox of requests from add_request: step() returns its events
         self._lock, self._depth = threading.RLock(), 0
         self._stepping, self._aborts_after_step = False, []
@@ -488,13 +529,16 @@ class LLM:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling parameters are a SamplingParams or None, not {type(params).__name__}")
         c, n_vocab = self.config, self.tokenizer.n_vocab
+        if isinstance(prompt, dict) and len(prompt) == 1 and ("prompt" in prompt or "prompt_token_ids" in prompt):
+            prompt = prompt.get("prompt", prompt.get("prompt_token_ids"))  # vLLM's TextPrompt and TokensPrompt
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, (list, tuple, np.ndarray)) and \
                 all(isinstance(t, (int, np.integer)) and 0 <= t < n_vocab for t in prompt):
             ids = [int(t) for t in prompt]
         else:
-            raise ValueError(f"a prompt is a string or a list of token ids in [0, {n_vocab})")
+            raise ValueError(f"a prompt is a string, a list of token ids in [0, {n_vocab}), or a dict of one: "
+                             "{'prompt': string} or {'prompt_token_ids': list}")
         if any(t >= n_vocab for t in params.stop_token_ids):
             raise ValueError(f"SamplingParams.stop_token_ids={params.stop_token_ids}: token ids are < {n_vocab}")
         ids = ids or [self.tokenizer.eot_token]  # an empty prompt generates unconditionally
@@ -508,11 +552,13 @@ class LLM:
                              "larger pool (num_kv_tokens, gpu_memory_utilization)")
         with self._exclusive():
             seed = params.seed if params.seed is not None else int(self._rng.integers(2 ** 63))
-            seq = Sequence(self._next_id, ids, params, seed, self.tokenizer)
-            self._next_id += 1
-            self._requests[seq.seq_id] = seq, outbox
-            self.scheduler.add(seq)
-        return seq.seq_id
+            rid = self._next_id  # the request's id, and its first sequence's; its samples take the next ones
+            seqs = [Sequence(rid + i, ids, params, sample_seed(seed, i), self.tokenizer, rid, i)
+                    for i in range(params.n)]
+            self._next_id += params.n
+            self._requests[rid] = Request(rid, prompt if isinstance(prompt, str) else None, seqs, outbox)
+            self.scheduler.add(seqs[0])
+        return rid
 
     def abort_request(self, request_id):
         """Stop requests (an id, or several) now, wherever they are: their blocks are freed at once, and each gets a
@@ -522,18 +568,21 @@ class LLM:
             if self._stepping:  # called from inside a step (a stream's cleanup run by the garbage collector)
                 self._aborts_after_step += ids
                 return
-            for seq, _ in [self._requests[rid] for rid in ids if rid in self._requests]:
-                self.scheduler.remove(seq)
-                seq.finish("abort")
-                self._deliver([self._event(seq)])
+            for req in [self._requests[rid] for rid in ids if rid in self._requests]:
+                for seq in req.seqs:
+                    if not seq.finish_reason:
+                        self.scheduler.remove(seq)
+                        seq.finish("abort")
+                req.unforked = []
+                self._deliver(self._events(req.seqs))
 
     def has_unfinished(self):
         """Whether requests wait or run, or step() has events to hand out (of requests another call's step finished)."""
         return self.scheduler.has_unfinished() or bool(self._step_outbox)
 
     def step(self):
-        """One step: (request_id, new text, RequestOutput once finished else None) for each request of add_request's
-        that got tokens or finished (a stream()'s requests are its own: their events go to it)."""
+        """One step: (request id, sample index, new text, RequestOutput once the request finished else None) for each
+        sample of add_request's requests that got tokens or finished (a stream()'s requests are its own)."""
         with self._exclusive():
             self._step()
             events, self._step_outbox[:] = self._step_outbox[:], []
@@ -576,17 +625,24 @@ class LLM:
             self.scheduler.requeue(seq)
 
     def _fail(self, saved, error):
-        log(f"a step failed; its {len(saved)} request(s) end with finish_reason 'error':")
+        log(f"a step failed; its {len(saved)} sequence(s) end with finish_reason 'error':")
         traceback.print_exception(error)
+        failed = list(saved)
         for seq in saved:
             self.scheduler.remove(seq)
             seq.finish("error", f"the engine step running this request failed: {type(error).__name__}: {error}")
-        return [self._event(seq) for seq in saved]
+            req = self._requests[seq.request_id]
+            if seq.index == 0 and req.unforked:  # samples that were to start from its prompt never will
+                for sample in req.unforked:
+                    sample.finish("error", seq.error)
+                failed += req.unforked
+                req.unforked = []
+        return self._events(failed)
 
     def _deliver(self, events):
         for event in events:
-            request_id, _, out = event
-            self._requests[request_id][1].append(event)
+            request_id, _, _, out = event
+            self._requests[request_id].outbox.append(event)
             if out is not None:
                 del self._requests[request_id]  # its last event
 
@@ -609,6 +665,7 @@ class LLM:
     def _postprocess(self, seqs, tokens, logits):
         """Hand each sequence its tokens until one finishes it (the rest dropped, blocks freed): an event each."""
         for row, seq in enumerate(seqs):
+            self._fork(seq)
             for i, token in enumerate(tokens[:, row]):
                 if i > 0:
                     seq.num_computed += 1  # a later step of a run computed the token sampled before
@@ -618,58 +675,92 @@ class LLM:
                 if seq.finish_reason:
                     self.scheduler.remove(seq)
                     break
-        return [self._event(seq) for seq in seqs]
+        return self._events(seqs)
 
-    @staticmethod
-    def _event(seq):
-        out = RequestOutput(seq.seq_id, seq.prompt_token_ids, seq.text, seq.output_token_ids, seq.finish_reason,
-                            seq.logprobs, seq.error) if seq.finish_reason else None
-        return seq.seq_id, seq.new_text(), out
+    def _fork(self, seq):
+        """Once a request's first sequence has its prompt in the cache (it samples now), its other samples start: each
+        shares the prompt's full blocks, and computes again only the last, partial one (at least the prompt's last
+        token, whose logits it samples from), so n samples cost one prompt's KV and one prefill."""
+        req = self._requests[seq.request_id]
+        if seq.index != 0 or not req.unforked:
+            return
+        shared = (len(seq.prompt_token_ids) - 1) // self.kv.block_size
+        for sample in req.unforked:
+            self.kv.share(seq.seq_id, sample.seq_id, shared)
+            sample.num_computed = shared * self.kv.block_size
+            self.scheduler.add(sample)
+        req.unforked = []
 
-    @staticmethod
-    def _logprobs(logits_row, token, k):
-        """Log-probabilities under the model's own distribution (before temperature, top-k and top-p)."""
+    def _events(self, seqs):
+        """(request id, sample index, new text, None) per sequence; a request's last one here carries its
+        RequestOutput when all its samples are finished."""
+        events = [[seq.request_id, seq.index, seq.new_text(), None] for seq in seqs]
+        for rid, event in {event[0]: event for event in events}.items():
+            if self._requests[rid].finished:
+                event[3] = self._requests[rid].output()
+        return [tuple(event) for event in events]
+
+    def _logprobs(self, logits_row, token, k):
+        """{token id: Logprob} for the sampled token and the k most likely, under the model's own distribution
+        (before penalties, temperature, top-k and top-p), ranks counted from 1."""
         logp = logits_row.astype(np.float64) - logits_row.max()
         logp -= np.log(np.exp(logp).sum())
-        top = np.argsort(-logp, kind="stable")[:k]
-        return {"token": float(logp[token]), "top": [(int(t), float(logp[t])) for t in top]}
+        order = np.argsort(-logp, kind="stable")
+        ranks = {int(t): r + 1 for r, t in enumerate(order[:k])}
+        ranks.setdefault(token, int((logp > logp[token]).sum()) + 1)
+        return {t: Logprob(float(logp[t]), r, self.tokenizer.decode([t])) for t, r in ranks.items()}
 
-    def stream(self, prompts, params=None):
-        """Yield (prompt index, new text, RequestOutput once finished else None); a refused request yields its error.
-        A stream left early (break, close(), an exception in its consumer) aborts its unfinished requests at once."""
-        prompts, params = _as_lists(prompts, params)
+    def stream(self, prompts, sampling_params=None):
+        """Yield (prompt index, sample index, new text, RequestOutput once the request finished else None); a refused
+        prompt yields its error. A stream left early (break, close(), an exception in its consumer) aborts its
+        unfinished requests at once."""
+        prompts, params = _as_lists(prompts, sampling_params)
         outbox, index = deque(), {}
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
                 try:
                     index[self._add(prompt, p, outbox)] = i
                 except ValueError as e:
-                    yield i, "", RequestOutput(None, [], finish_reason="error", error=str(e))
+                    yield i, 0, "", RequestOutput(None, prompt if isinstance(prompt, str) else None, [],
+                                                  [CompletionOutput(0, finish_reason="error")], error=str(e))
             remaining = len(index)
             while remaining:
                 with self._exclusive():
                     if not outbox:  # whichever call steps, every request's events go to its own outbox
                         self._step()
                     events = [outbox.popleft() for _ in range(len(outbox))]
-                for request_id, delta, out in events:
+                for request_id, sample, delta, out in events:
                     remaining -= out is not None
-                    yield index[request_id], delta, out
+                    yield index[request_id], sample, delta, out
             self.runner.wait()  # no GPU work outlives this call (a run launched ahead of the last tokens included)
         finally:
             with self._exclusive():
-                self.abort_request([rid for rid, (_, box) in self._requests.items() if box is outbox])
+                self.abort_request([rid for rid, req in self._requests.items() if req.outbox is outbox])
 
-    def generate(self, prompts, params=None):
-        """Run prompts to completion, continuously batched: one RequestOutput per prompt, in order."""
-        outputs = {}
-        for i, _, out in self.stream(prompts, params):
-            if out is not None:
-                outputs[i] = out
+    def generate(self, prompts, sampling_params=None, use_tqdm=True):
+        """Run prompts to completion, continuously batched: one RequestOutput per prompt, in order. use_tqdm: a
+        progress bar on stderr, requests done and output tokens/s, as vLLM's."""
+        from tqdm.auto import tqdm
+        prompts, sampling_params = _as_lists(prompts, sampling_params)
+        outputs, tokens, t0 = {}, 0, time.perf_counter()
+        with tqdm(total=len(prompts), desc="Processed prompts", unit="req", disable=not use_tqdm, file=sys.stderr,
+                  dynamic_ncols=True) as bar:
+            for i, _, _, out in self.stream(prompts, sampling_params):
+                if out is not None:
+                    outputs[i] = out
+                    tokens += sum(len(c.token_ids) for c in out.outputs)
+                    bar.set_postfix_str(f"output {tokens / (time.perf_counter() - t0):,.0f} tok/s", refresh=False)
+                    bar.update()
         return [outputs[i] for i in range(len(outputs))]
 
 
+def sample_seed(seed, index):
+    """The seed of a request's index-th sample: the request's own for the first, a different stream for each other."""
+    return seed if index == 0 else (seed ^ (index * 0xD1B54A32D192ED03)) % 2 ** 64
+
+
 def _as_lists(prompts, params):
-    single = isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], (int, np.integer)))
+    single = isinstance(prompts, (str, dict)) or (len(prompts) > 0 and isinstance(prompts[0], (int, np.integer)))
     prompts = [prompts] if single else list(prompts)
     params = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
     if len(params) != len(prompts):

@@ -13,7 +13,7 @@ import numpy as np
 
 
 class BlockAllocator:
-    """A free list of block ids with a reference count each (a count above 1 would mean a shared prefix)."""
+    """A free list of block ids with a reference count each (above 1: a prompt's block its n samples share)."""
     def __init__(self, num_blocks):
         self.num_blocks = num_blocks
         self.free = list(range(num_blocks - 1, -1, -1))  # a stack: pop() hands out block 0 first
@@ -64,6 +64,13 @@ class PagedKVCache:
         table = self.block_tables.setdefault(seq_id, [])
         while len(table) < self.blocks_needed(num_tokens):
             table.append(self.allocator.allocate())
+
+    def share(self, parent_id, child_id, num_blocks):
+        """child_id starts as the owner of parent_id's first num_blocks blocks too, full blocks neither writes again:
+        the n samples of a prompt hold its KV once. A block goes back to the free list when its last owner frees it."""
+        table = self.block_tables[parent_id][:num_blocks]
+        self.allocator.ref_count[table] += 1
+        self.block_tables[child_id] = list(table)
 
     def free(self, seq_id):
         for block in self.block_tables.pop(seq_id, ()):

@@ -63,13 +63,13 @@ def stream_to_terminal(llm, prompts, params):
     status = 0
     try:
         show_header(0)
-        for i, delta, finished in llm.stream(prompts, params):
+        for i, _, delta, finished in llm.stream(prompts, params):
             if finished is not None and finished.error:
                 print(f"error: prompt {i + 1} refused: {finished.error}", file=sys.stderr)
                 refused += 1
             else:  # an event carries a run of tokens (up to 16 with CUDA graphs): count them at the end
                 t_first = t_first or time.perf_counter()
-                n_tokens += len(finished.token_ids) if finished is not None else 0
+                n_tokens += sum(len(c.token_ids) for c in finished.outputs) if finished is not None else 0
             pending[i].append(delta)
             done[i] = finished is not None
             show_ready()

@@ -17,15 +17,18 @@ from collections import deque
 
 
 class Sequence:
-    """One request: its tokens, how many of them the KV cache holds, and its text so far."""
-    def __init__(self, seq_id, prompt_token_ids, params, seed, tokenizer):
+    """One sample of a request: its tokens, how many of them the KV cache holds, and its text so far."""
+    def __init__(self, seq_id, prompt_token_ids, params, seed, tokenizer, request_id=None, index=0):
         self.seq_id = seq_id
+        self.request_id = seq_id if request_id is None else request_id
+        self.index = index  # which of the request's n samples
         self.prompt_token_ids = list(prompt_token_ids)
         self.token_ids = list(prompt_token_ids)  # prompt + output
         self.params = params
         self.seed = seed  # makes the samples of this request independent of the rest of the batch
         self.num_computed = 0  # tokens whose K/V are in the cache
         self.finish_reason = None
+        self.stop_reason = None  # the stop string or stop token id that ended it
         self.error = None  # why, when finish_reason is 'error'
         self.logprobs = [] if params.logprobs is not None else None
         self.text = ""
@@ -54,8 +57,9 @@ class Sequence:
         text_before = len(self.text)
         if token != eot and (not stop_token or p.include_stop_str_in_output):
             self.text += self._utf8.decode(self._tokenizer.token_bytes(token))
-        if stop_token or (p.stop and self.num_output >= p.min_tokens and self._cut_at_stop(text_before)):
-            self.finish("stop")
+        stop_string = p.stop and self.num_output >= p.min_tokens and self._cut_at_stop(text_before)
+        if stop_token or stop_string:
+            self.finish("stop", stop_reason=stop_string or (token if token in p.stop_token_ids else None))
         elif self.num_output >= p.max_tokens or len(self.token_ids) >= n_ctx:
             self.finish("length")
 
@@ -73,27 +77,29 @@ class Sequence:
         return p.repetition_penalty != 1 or p.presence_penalty != 0 or p.frequency_penalty != 0 or \
             self.num_output < p.min_tokens
 
-    def finish(self, reason, error=None):
-        self.finish_reason, self.error = reason, error
+    def finish(self, reason, error=None, stop_reason=None):
+        self.finish_reason, self.error, self.stop_reason = reason, error, stop_reason
         self.text += self._utf8.decode(b"", final=True)  # bytes held back for a character's rest, as U+FFFD
 
     def _cut_at_stop(self, text_before):
-        # a stop string that the new text completed starts at most len(stop) - 1 characters before it
-        start = max(0, text_before - max(map(len, self.params.stop)) + 1)
-        hits = [(i, len(s)) for i, s in ((self.text.find(s, start), s) for s in self.params.stop) if i >= 0]
-        if hits:
-            at, length = min(hits)
-            self.text = self.text[:at + length if self.params.include_stop_str_in_output else at]
-            self._utf8.reset()  # bytes held back are past the stop string: dropped with the rest
-        return bool(hits)
+        """The stop string the new text completed (the text cut there), or None."""
+        start = max(0, text_before - max(map(len, self.params.stop)) + 1)  # it starts at most len - 1 characters back
+        hits = sorted((i, s) for i, s in ((self.text.find(s, start), s) for s in self.params.stop) if i >= 0)
+        if not hits:
+            return None
+        at, stop = hits[0]
+        self.text = self.text[:at + len(stop) if self.params.include_stop_str_in_output else at]
+        self._utf8.reset()  # bytes held back are past the stop string: dropped with the rest
+        return stop
 
     def checkpoint(self):
         """Everything a step changes in a sequence, to undo the step if it fails midway (see LLM._undo)."""
-        return (len(self.token_ids), self.num_computed, self.finish_reason, self.error, self.text, self.num_streamed,
-                None if self.logprobs is None else len(self.logprobs), self._utf8.getstate())
+        return (len(self.token_ids), self.num_computed, self.finish_reason, self.stop_reason, self.error, self.text,
+                self.num_streamed, None if self.logprobs is None else len(self.logprobs), self._utf8.getstate())
 
     def restore(self, state):
-        n, self.num_computed, self.finish_reason, self.error, self.text, self.num_streamed, n_logprobs, utf8 = state
+        n, self.num_computed, self.finish_reason, self.stop_reason, self.error, self.text, self.num_streamed, \
+            n_logprobs, utf8 = state
         del self.token_ids[n:]
         if n_logprobs is not None:
             del self.logprobs[n_logprobs:]
@@ -141,7 +147,7 @@ class Scheduler:
             if seq in preempted:
                 continue
             n = min(seq.num_uncomputed, budget)
-            while not self.kv.can_fit(seq.seq_id, seq.num_computed + n):
+            while not self._fits(seq, seq.num_computed + n):
                 victim = next(s for s in reversed(self.running) if s not in scheduled)
                 self._preempt(victim)
                 preempted.add(victim)
@@ -154,16 +160,27 @@ class Scheduler:
         # admit new requests only when nothing had to make room this step, or they would thrash
         admit = self.wants_admission(group) and not preempted
         while admit and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+            seq = self.waiting[0]  # its num_computed is 0, or a prompt's blocks it shares (LLM._fork)
             n = min(seq.num_uncomputed, budget)
-            if not self.kv.can_fit(seq.seq_id, n):
+            if not self._fits(seq, seq.num_computed + n):
                 break
             self.waiting.popleft()
             self.running.append(seq)
-            self.kv.grow(seq.seq_id, n)
+            self.kv.grow(seq.seq_id, seq.num_computed + n)
             scheduled[seq] = n
             budget -= n
         return list(scheduled.items())
+
+    def _fits(self, seq, num_tokens):
+        """Whether seq can hold num_tokens tokens, after taking back, newest first, the blocks that waiting sequences
+        hold (a sample's share of its prompt, LLM._fork): a waiting sequence then computes its prompt itself."""
+        while not self.kv.can_fit(seq.seq_id, num_tokens):
+            holder = next((s for s in reversed(self.waiting) if s is not seq and s.seq_id in self.kv.block_tables), None)
+            if holder is None:
+                return False
+            self.kv.free(holder.seq_id)
+            holder.num_computed = 0
+        return True
 
     def _preempt(self, seq):
         self.requeue(seq)

@@ -8,6 +8,7 @@ present, on CUDA in fp32 and fp16.
 
 Error metric everywhere: max|ours - ref| / max|ref|, under TOL[dtype] (fp32 1e-4, fp16 1e-2, see DESIGN.md).
 """
+import ast
 import hashlib
 import importlib.resources
 import json
@@ -20,6 +21,7 @@ import subprocess
 import sys
 import threading
 import traceback
+from collections import Counter
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -214,8 +216,8 @@ def make_llm(ckpt, dev, **kw):
     return LLM(str(ckpt.path), device=dev.device, dtype=dev.dtype, **kw)
 
 
-def greedy(n=N_NEW, **kw):
-    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, **kw)
+def greedy(max_tokens=N_NEW, **kw):
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kw)
 
 
 def rel_err(ours, ref):
@@ -333,8 +335,8 @@ def test_greedy_matches_transformers(tiny, dev, greedy_cases):
     for prompt, ids, ref in greedy_cases:
         (out,) = llm.generate(prompt, greedy())
         assert out.prompt_token_ids == ids
-        assert out.token_ids == ref, prompt
-        assert out.text == llm.tokenizer.decode(ref) and out.finish_reason == "length"
+        assert out.outputs[0].token_ids == ref, prompt
+        assert out.outputs[0].text == llm.tokenizer.decode(ref) and out.outputs[0].finish_reason == "length"
 
 
 def test_batched_equals_solo(tiny, dev, greedy_cases):
@@ -345,7 +347,7 @@ def test_batched_equals_solo(tiny, dev, greedy_cases):
     params = [greedy(N_NEW - i) for i in range(len(prompts))]
     outs = llm.generate(prompts, params)
     for out, (prompt, _, ref), p in zip(outs, greedy_cases, params):
-        assert out.token_ids == llm.generate(prompt, p)[0].token_ids == ref[:p.max_tokens], prompt
+        assert out.outputs[0].token_ids == llm.generate(prompt, p)[0].outputs[0].token_ids == ref[:p.max_tokens], prompt
     assert llm.kv.allocator.num_free() == llm.kv.num_blocks
 
 
@@ -353,11 +355,11 @@ def test_preemption_keeps_greedy_outputs(tiny, dev, greedy_cases):
     """A pool of 5 blocks of 16 cannot hold all requests: sequences get preempted and recomputed, and every
     greedy output is still transformers' (so equal to an unpressured run); no block leaks."""
     prompts = [ids for _, ids, _ in greedy_cases]
-    roomy = [o.token_ids for o in make_llm(tiny, dev).generate(prompts, greedy())]
+    roomy = [o.outputs[0].token_ids for o in make_llm(tiny, dev).generate(prompts, greedy())]
     llm = make_llm(tiny, dev, num_kv_tokens=80, block_size=16)
     outs = llm.generate(prompts, greedy())
     assert llm.scheduler.num_preemptions > 0, "the tiny pool did not force a preemption"
-    assert [o.token_ids for o in outs] == roomy == [ref for _, _, ref in greedy_cases]
+    assert [o.outputs[0].token_ids for o in outs] == roomy == [ref for _, _, ref in greedy_cases]
     assert llm.kv.allocator.num_free() == llm.kv.num_blocks and not llm.kv.block_tables
 
 
@@ -371,16 +373,41 @@ def test_seeded_sampling_reproducible_and_batch_independent(tiny, dev):
     (seed, step = index of the new token)."""
     llm, prompt = make_llm(tiny, dev), "Once upon a time"
     alone = llm.generate(prompt, SamplingParams(seed=1234, **SAMPLED))[0]
-    again = llm.generate(prompt, SamplingParams(seed=1234, **SAMPLED))[0].token_ids
+    again = llm.generate(prompt, SamplingParams(seed=1234, **SAMPLED))[0].outputs[0].token_ids
     crowd = llm.generate(["The meaning of life is", prompt, "I", prompt],
                          [SamplingParams(seed=7, **SAMPLED), SamplingParams(seed=1234, **SAMPLED), greedy(),
                           SamplingParams(seed=99, **SAMPLED)])
-    assert alone.token_ids == again == crowd[1].token_ids
-    assert crowd[3].token_ids != alone.token_ids and len(set(alone.token_ids)) > 1
+    assert alone.outputs[0].token_ids == again == crowd[1].outputs[0].token_ids
+    assert crowd[3].outputs[0].token_ids != alone.outputs[0].token_ids and len(set(alone.outputs[0].token_ids)) > 1
     ids = alone.prompt_token_ids
-    ref = hf_logits(tiny, ids + alone.token_ids)[len(ids) - 1:-1].astype(np.float32)
+    ref = hf_logits(tiny, ids + alone.outputs[0].token_ids)[len(ids) - 1:-1].astype(np.float32)
     args = SAMPLED["temperature"], SAMPLED["top_k"], SAMPLED["top_p"], 1234
-    assert alone.token_ids == [spec_sample(row, *args, step, SAMPLED["min_p"]) for step, row in enumerate(ref)]
+    assert alone.outputs[0].token_ids == [spec_sample(row, *args, step, SAMPLED["min_p"]) for step, row in enumerate(ref)]
+
+
+def test_n_samples_share_the_prompt(tiny, dev):
+    """SamplingParams(n=3): the request prefills its prompt once; its other samples start from the first one's full
+    blocks (reference count 3), recomputing only the partial last one. Each sample is what a request alone with its
+    seed (nanoinfer.sample_seed) samples, the three differ, greedy ones are all greedy's, and no block is left."""
+    llm = make_llm(tiny, dev, block_size=4)
+    prompt = random_ids(18, 7)
+    params = SamplingParams(n=3, seed=11, temperature=1.0, max_tokens=6, ignore_eos=True)
+    rid = llm.add_request(prompt, params)
+    llm.step()  # the prefill: the first sample's first token, and the fork
+    first, *others = llm._requests[rid].seqs
+    shared = llm.kv.block_tables[first.seq_id][:(18 - 1) // 4]
+    assert len(shared) == 4 and all(llm.kv.block_tables[s.seq_id][:4] == shared for s in others)
+    assert (llm.kv.allocator.ref_count[shared] == 3).all() and all(s.num_computed == 16 for s in others)
+    check_kv(llm.kv)
+    (out,) = finish_by_steps(llm).values()
+    assert [c.index for c in out.outputs] == [0, 1, 2] and out.request_id == rid and out.prompt is None
+    alone = [solo(tiny, dev, prompt, SamplingParams(seed=ni.sample_seed(11, i), temperature=1.0, max_tokens=6,
+                                                    ignore_eos=True)) for i in range(3)]
+    assert [c.token_ids for c in out.outputs] == alone and len({tuple(a) for a in alone}) == 3
+    (g,) = llm.generate(["Hello there"], greedy(5, n=3))
+    assert [c.token_ids for c in g.outputs] == [solo(tiny, dev, llm.tokenizer.encode("Hello there"), greedy(5))] * 3
+    assert g.prompt == "Hello there"
+    assert_idle(llm)
 
 
 @pytest.mark.parametrize("dev", EXACT_DEVICES)
@@ -400,9 +427,9 @@ def test_seeded_sampling_survives_batching(tiny, dev):
         params.append(greedy(24) if i % 2 else
                       SamplingParams(max_tokens=24, ignore_eos=True, seed=seed, **settings[i // 2 % 6]))
     llm = make_llm(tiny, dev)
-    solo = [llm.generate([p], [sp])[0].token_ids for p, sp in zip(prompts, params)]
+    solo = [llm.generate([p], [sp])[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
     tight = make_llm(tiny, dev, num_kv_tokens=384, max_num_batched_tokens=64)
-    together = [o.token_ids for o in tight.generate(prompts, params)]
+    together = [o.outputs[0].token_ids for o in tight.generate(prompts, params)]
     assert tight.scheduler.num_preemptions > 0, "the tight pool did not preempt"
     differ = [a != b for a, b in zip(solo, together)]
     greedy_differ, seeded_differ = sum(differ[1::2]), sum(differ[0::2])
@@ -542,44 +569,52 @@ def test_min_p_matches_transformers(temperature, top_k, min_p):
 
 
 def test_logprobs_match_transformers(tiny, dev, greedy_cases):
-    """logprobs=5: per generated token the chosen token's log-probability and the 5 most likely, equal to
-    log_softmax of transformers' logits (error bound: 2 * TOL * max|logit|)."""
+    """logprobs=5, vLLM's shape: per generated token {token id: Logprob} for the sampled one and the 5 most likely,
+    log-probabilities equal to log_softmax of transformers' logits (error bound: 2 * TOL * max|logit|), ranks 1..5 in
+    order, each token's text; cumulative_logprob their sum over the sampled tokens."""
     _, ids, _ = greedy_cases[0]
-    (out,) = make_llm(tiny, dev).generate([ids], greedy(8, logprobs=5))
-    ref = hf_logits(tiny, ids + out.token_ids)[len(ids) - 1:-1]
+    llm = make_llm(tiny, dev)
+    (out,) = llm.generate([ids], greedy(8, logprobs=5))
+    sample = out.outputs[0]
+    ref = hf_logits(tiny, ids + sample.token_ids)[len(ids) - 1:-1]
     ref_lp = torch.log_softmax(torch.tensor(ref), -1).numpy()
-    assert len(out.logprobs) == len(out.token_ids) == 8
-    for lp, tok, row, row_lp in zip(out.logprobs, out.token_ids, ref, ref_lp):
+    assert len(sample.logprobs) == len(sample.token_ids) == 8
+    for lp, tok, row, row_lp in zip(sample.logprobs, sample.token_ids, ref, ref_lp):
         tol = 2 * dev.tol * np.abs(row).max()
-        assert abs(lp["token"] - row_lp[tok]) < tol
-        top = lp["top"]
-        assert len(top) == 5 and all(abs(l - row_lp[t]) < tol for t, l in top)
-        assert np.allclose([l for _, l in top], np.sort(row_lp)[::-1][:5], atol=tol, rtol=0)
+        assert tok in lp and abs(lp[tok].logprob - row_lp[tok]) < tol  # greedy: the sampled token is the top one
+        assert len(lp) == 5 and sorted(x.rank for x in lp.values()) == [1, 2, 3, 4, 5]
+        assert all(abs(x.logprob - row_lp[t]) < tol and x.decoded_token == llm.tokenizer.decode([t])
+                   for t, x in lp.items())
+        assert np.allclose(sorted((x.logprob for x in lp.values()), reverse=True), np.sort(row_lp)[::-1][:5],
+                           atol=tol, rtol=0)
+    assert sample.cumulative_logprob == sum(lp[t].logprob for lp, t in zip(sample.logprobs, sample.token_ids))
 
 
 def test_stream_matches_generate(tiny, dev, greedy_cases):
     """llm.stream's deltas, per prompt, concatenate to generate()'s text; each finishes exactly once, last."""
     prompts = [p for p, _, _ in greedy_cases[:3]]
     llm = make_llm(tiny, dev)
-    want = [o.text for o in llm.generate(prompts, greedy())]
+    want = [o.outputs[0].text for o in llm.generate(prompts, greedy())]
     texts, finished = ["" for _ in prompts], [None for _ in prompts]
-    for i, delta, out in llm.stream(prompts, greedy()):
+    for i, _, delta, out in llm.stream(prompts, greedy()):
         assert finished[i] is None, "a delta after the request finished"
         texts[i] += delta
         finished[i] = out
-    assert texts == want and all(o is not None and o.text == t for o, t in zip(finished, texts))
+    assert texts == want and all(o is not None and o.outputs[0].text == t for o, t in zip(finished, texts))
 
 
 # -----------------------------------------------------------------------------
 # the KV cache allocator and the property-based stress
 
 def check_kv(kv):
-    """free + used == total; every block in at most one table or the free list; ref counts 1 (used) / 0 (free)."""
+    """free + used == total; a block is free or in tables, never both; its ref count is how many tables hold it (a
+    prompt's samples share blocks), 0 when free."""
     a = kv.allocator
-    used = [b for t in kv.block_tables.values() for b in t]
-    assert len(used) == len(set(used)) and len(a.free) == len(set(a.free)) and not set(used) & set(a.free)
+    used = Counter(b for t in kv.block_tables.values() for b in t)
+    assert all(len(set(t)) == len(t) for t in kv.block_tables.values())
+    assert len(a.free) == len(set(a.free)) and not set(used) & set(a.free)
     assert a.num_free() + len(used) == a.num_blocks == kv.num_blocks
-    assert all(a.ref_count[b] == 1 for b in used) and all(a.ref_count[b] == 0 for b in a.free)
+    assert all(a.ref_count[b] == c for b, c in used.items()) and all(a.ref_count[b] == 0 for b in a.free)
 
 
 def test_block_allocator():
@@ -670,17 +705,19 @@ _solo_cache = {}
 
 
 def solo(ckpt, dev, prompt, params):
-    key = (dev, tuple(prompt), params.max_tokens, params.temperature, params.seed)
+    """The request's tokens run alone: its one sample's, or with n > 1 a list of each sample's."""
+    key = (dev, tuple(prompt), params.max_tokens, params.temperature, params.seed, params.n)
     if key not in _solo_cache:
         if (dev, "llm") not in _solo_cache:
             _solo_cache[dev, "llm"] = make_llm(ckpt, dev)
-        _solo_cache[key] = _solo_cache[dev, "llm"].generate([prompt], params)[0].token_ids
+        out = _solo_cache[dev, "llm"].generate([prompt], params)[0]
+        _solo_cache[key] = [c.token_ids for c in out.outputs] if params.n > 1 else out.outputs[0].token_ids
     return _solo_cache[key]
 
 
-# (prompt length, max_tokens, arrival step, sampled, seed, abort step or None)
+# (prompt length, max_tokens, arrival step, sampled, seed, abort step or None, samples n)
 REQUEST = st.tuples(st.integers(1, 40), st.integers(1, 16), st.integers(0, 8), st.booleans(), st.integers(0, 2 ** 20),
-                    st.one_of(st.none(), st.none(), st.integers(0, 30)))
+                    st.one_of(st.none(), st.none(), st.integers(0, 30)), st.sampled_from([1, 1, 1, 2, 3]))
 STRESS_EXAMPLES = int(os.environ.get("NANOINFER_STRESS_EXAMPLES", 20))  # raised before resolving engine changes
 
 
@@ -695,9 +732,10 @@ def test_stress_every_request_gets_its_solo_output(tiny, dev, reqs, block_size, 
     finishes with its solo output (an aborted one: a prefix of it), the allocator invariants hold after every step,
     and no block leaks."""
     work = []
-    for n, max_tokens, arrival, sampled, seed, abort in reqs:
-        params = SamplingParams(seed=seed, **{**SAMPLED, "max_tokens": max_tokens}) if sampled else greedy(max_tokens)
-        work.append((arrival, random_ids(n, seed), params, abort))
+    for length, max_tokens, arrival, sampled, seed, abort, n in reqs:
+        params = SamplingParams(seed=seed, n=n, **{**SAMPLED, "max_tokens": max_tokens}) if sampled else \
+            greedy(max_tokens, n=n)
+        work.append((arrival, random_ids(length, seed), params, abort))
     biggest = max(-(-(len(p) + q.max_tokens) // block_size) for _, p, q, _ in work) * block_size
     llm = make_llm(tiny, dev, block_size=block_size, num_kv_tokens=biggest + slack,
                    max_num_batched_tokens=max_batched, max_num_seqs=max_seqs)
@@ -711,7 +749,7 @@ def test_stress_every_request_gets_its_solo_output(tiny, dev, reqs, block_size, 
                 aborts.setdefault(t + abort, []).append(rid)
         llm.abort_request(aborts.pop(t, []))
         events = llm.step()
-        for rid, _, out in events:
+        for rid, _, _, out in events:
             if out is not None:
                 done[rid] = out
         check_kv(llm.kv)
@@ -720,10 +758,11 @@ def test_stress_every_request_gets_its_solo_output(tiny, dev, reqs, block_size, 
     assert set(done) == set(ids)
     for rid, (prompt, params) in ids.items():
         want = solo(tiny, dev, prompt, params)
-        if done[rid].finish_reason == "abort":
-            assert done[rid].token_ids == want[:len(done[rid].token_ids)]
-        else:
-            assert done[rid].token_ids == want and done[rid].finish_reason == "length"
+        for sample, w in zip(done[rid].outputs, want if params.n > 1 else [want]):
+            if sample.finish_reason == "abort":
+                assert sample.token_ids == w[:len(sample.token_ids)]
+            else:
+                assert sample.token_ids == w and sample.finish_reason == "length"
     assert llm.kv.allocator.num_free() == llm.kv.num_blocks
     target(float(llm.scheduler.num_preemptions), label="preemptions")  # steer the search toward pressure
 
@@ -745,7 +784,7 @@ def test_batch_invariant_outputs_are_bitwise_solo(tiny):
     together = llm.generate([p for p, _ in reqs], [q for _, q in reqs])
     assert llm.scheduler.num_preemptions > 0, "the pool did not force a preemption"
     for a, b in zip(alone, together):
-        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs  # floats compared with ==: bit for bit
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids and a.outputs[0].logprobs == b.outputs[0].logprobs  # floats compared with ==: bit for bit
 
 
 # -----------------------------------------------------------------------------
@@ -757,16 +796,16 @@ def test_empty_prompt_generates_from_endoftext(tiny):
     assert gap > 2 * TOL["float32"]
     llm = make_llm(tiny, CPU)
     for out in llm.generate(["", []], greedy(10)):
-        assert out.prompt_token_ids == [EOT] and out.token_ids == ref
+        assert out.prompt_token_ids == [EOT] and out.outputs[0].token_ids == ref
 
 
 def test_too_long_prompt_refused_alone(tiny):
     """A prompt of n_ctx tokens is refused with an error about the context; the requests beside it finish."""
     llm = make_llm(tiny, CPU)
     outs = llm.generate(["Hello world", random_ids(tiny.n_ctx, 5), "I"], greedy(5))
-    assert outs[1].finish_reason == "error" and "context" in outs[1].error
-    assert [o.finish_reason for o in (outs[0], outs[2])] == ["length"] * 2
-    assert outs[0].token_ids == solo(tiny, CPU, outs[0].prompt_token_ids, greedy(5))
+    assert outs[1].outputs[0].finish_reason == "error" and "context" in outs[1].error
+    assert [o.outputs[0].finish_reason for o in (outs[0], outs[2])] == ["length"] * 2
+    assert outs[0].outputs[0].token_ids == solo(tiny, CPU, outs[0].prompt_token_ids, greedy(5))
     with pytest.raises(ValueError, match="context"):
         llm.add_request(random_ids(tiny.n_ctx + 3, 5), greedy(5))
     with pytest.raises(ValueError):  # a token id outside the vocabulary
@@ -779,8 +818,8 @@ def test_request_that_never_fits_the_pool_is_refused(tiny):
     llm = make_llm(tiny, CPU, num_kv_tokens=32, block_size=16)
     small, big = random_ids(5, 6), random_ids(10, 7)
     outs = llm.generate([small, big], [greedy(10), greedy(40)])
-    assert outs[1].finish_reason == "error" and outs[1].error
-    assert outs[0].finish_reason == "length" and outs[0].token_ids == solo(tiny, CPU, small, greedy(10))
+    assert outs[1].outputs[0].finish_reason == "error" and outs[1].error
+    assert outs[0].outputs[0].finish_reason == "length" and outs[0].outputs[0].token_ids == solo(tiny, CPU, small, greedy(10))
     with pytest.raises(ValueError):
         llm.add_request(big, greedy(40))
     assert not llm.has_unfinished() and llm.kv.allocator.num_free() == llm.kv.num_blocks
@@ -792,7 +831,7 @@ def test_request_that_never_fits_the_pool_is_refused(tiny):
     ("seed", -3), ("seed", 2 ** 64), ("stop", [""]), ("stop", 5), ("ignore_eos", 1), ("temperature", float("inf")),
     ("min_p", -0.1), ("min_p", 1.5), ("min_tokens", -1), ("min_tokens", 17), ("repetition_penalty", 0),
     ("presence_penalty", 3), ("frequency_penalty", -2.5), ("stop_token_ids", [-1]), ("stop_token_ids", "a"),
-    ("include_stop_str_in_output", 1)])
+    ("include_stop_str_in_output", 1), ("n", 0), ("n", 257), ("n", 2.0), ("n", True)])
 def test_bad_sampling_values_raise(field, value):
     """Each bad sampling value raises ValueError naming the field."""
     with pytest.raises(ValueError, match=field):
@@ -865,9 +904,9 @@ def test_stop_string(tiny, greedy_cases):
     assert stop.strip()
     params = greedy(stop=[stop, "never appears \u2603"])
     (out,) = llm.generate(prompt, params)
-    assert out.finish_reason == "stop" and stop not in out.text and out.text == full[:full.find(stop)]
-    assert len(out.token_ids) <= 8 and out.token_ids == ref[:len(out.token_ids)]
-    assert "".join(delta for _, delta, _ in llm.stream(prompt, params)) == out.text
+    assert out.outputs[0].finish_reason == "stop" and stop not in out.outputs[0].text and out.outputs[0].text == full[:full.find(stop)]
+    assert len(out.outputs[0].token_ids) <= 8 and out.outputs[0].token_ids == ref[:len(out.outputs[0].token_ids)]
+    assert "".join(delta for _, _, delta, _ in llm.stream(prompt, params)) == out.outputs[0].text
 
 
 def test_stop_string_kept_in_output(tiny, greedy_cases):
@@ -876,7 +915,7 @@ def test_stop_string_kept_in_output(tiny, greedy_cases):
     llm = make_llm(tiny, CPU)
     full, stop = llm.tokenizer.decode(ref), llm.tokenizer.decode(ref[6:8])
     (out,) = llm.generate(prompt, greedy(stop=[stop], include_stop_str_in_output=True))
-    assert out.finish_reason == "stop" and out.text == full[:full.find(stop) + len(stop)]
+    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].text == full[:full.find(stop) + len(stop)]
 
 
 @pytest.mark.parametrize("dev", EXACT_DEVICES)
@@ -887,16 +926,16 @@ def test_stop_token_ids_and_min_tokens_match_transformers(tiny, dev, greedy_case
     prompt, ids, ref = greedy_cases[0]
     llm, stop = make_llm(tiny, dev), ref[2]
     (out,) = llm.generate(prompt, greedy(stop_token_ids=[stop]))
-    assert out.finish_reason == "stop" and out.token_ids == ref[:3]
-    assert out.text == llm.tokenizer.decode(ref[:2])
+    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].token_ids == ref[:3]
+    assert out.outputs[0].text == llm.tokenizer.decode(ref[:2])
     (kept,) = llm.generate(prompt, greedy(stop_token_ids=[stop], include_stop_str_in_output=True))
-    assert kept.text == llm.tokenizer.decode(ref[:3])
+    assert kept.outputs[0].text == llm.tokenizer.decode(ref[:3])
     with torch.no_grad():
         want = tiny.hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                                 max_new_tokens=N_NEW, min_new_tokens=6, do_sample=False, eos_token_id=stop,
                                 pad_token_id=EOT)[0, len(ids):].tolist()
     (out,) = llm.generate(prompt, greedy(stop_token_ids=[stop], min_tokens=6))
-    assert out.token_ids == want and stop not in out.token_ids[:6]
+    assert out.outputs[0].token_ids == want and stop not in out.outputs[0].token_ids[:6]
 
 
 def penalty_case(tok, R=3, V=50257, seed=0):
@@ -944,7 +983,7 @@ def test_repetition_penalty_greedy_matches_transformers(tiny, dev, greedy_cases)
                                     max_new_tokens=N_NEW, do_sample=False, repetition_penalty=1.8,
                                     eos_token_id=None, pad_token_id=EOT)[0, len(ids):].tolist()
         outs = llm.generate([prompt, prompt], [greedy(repetition_penalty=1.8), greedy()])
-        assert outs[0].token_ids == want and outs[1].token_ids == ref
+        assert outs[0].outputs[0].token_ids == want and outs[1].outputs[0].token_ids == ref
         changed += want != ref
     assert changed, "the penalty changed no output: the test shows nothing"
 
@@ -965,7 +1004,7 @@ def test_length_at_the_context_limit(tiny):
     ref, gap = hf_greedy(tiny, ids, 3)
     assert gap > 2 * TOL["float32"]
     (out,) = make_llm(tiny, CPU).generate([ids], greedy(50))
-    assert out.finish_reason == "length" and out.token_ids == ref
+    assert out.outputs[0].finish_reason == "length" and out.outputs[0].token_ids == ref
 
 
 # -----------------------------------------------------------------------------
@@ -1032,13 +1071,18 @@ def inject(monkeypatch, owner, name, error, at):
     return calls
 
 
+def tokens(out):
+    """A RequestOutput's token ids: its one sample's, or a list of each sample's."""
+    return [c.token_ids for c in out.outputs] if len(out.outputs) > 1 else out.outputs[0].token_ids
+
+
 def finish_by_steps(llm):
     """Drive step() until nothing is left; {request id: its last RequestOutput}."""
     done = {}
     for _ in range(10_000):
         if not llm.has_unfinished():
             return done
-        done.update((rid, out) for rid, _, out in llm.step() if out is not None)
+        done.update((rid, out) for rid, _, _, out in llm.step() if out is not None)
     raise AssertionError("10,000 steps and requests still unfinished: the engine is stuck")
 
 
@@ -1060,7 +1104,8 @@ FAULT_POINTS = {  # a step's calls, in order; the last four exist only in CUDA-g
     "tokens": lambda llm: (cuda_backend.GraphRun, "tokens"),
 }
 FAULT_PROMPTS = [random_ids(20, 1), random_ids(5, 2), random_ids(9, 3)]
-FAULT_PARAMS = [greedy(24), greedy(30), greedy(8, logprobs=2)]  # logprobs: an eager decode on the GPU too
+FAULT_PARAMS = [greedy(24), SamplingParams(n=2, seed=5, max_tokens=12, ignore_eos=True),  # samples forked
+                greedy(8, logprobs=2)]  # logprobs: an eager decode on the GPU too
 FAULT_SIDE = (random_ids(7, 4), greedy(10))  # a request of add_request's, in the same batches
 
 
@@ -1097,14 +1142,15 @@ def test_a_failed_step_is_undone(tiny, dev, point, error, at, monkeypatch):
         assert point == "schedule" or "schedule" in [f.name for f in traceback.extract_tb(raised.__traceback__)]
     side_out = finish_by_steps(llm)[side]
     if raised:  # the stream's own requests were aborted; the side request waited intact
-        assert side_out.token_ids == want_side and side_out.finish_reason == "length"
+        assert side_out.outputs[0].token_ids == want_side and side_out.outputs[0].finish_reason == "length"
     else:
-        failed = [o for o in outs + [side_out] if o.finish_reason == "error"]
+        failed = [o for o in outs + [side_out] if any(c.finish_reason == "error" for c in o.outputs)]
         assert failed and all("Fault: injected" in o.error for o in failed)
         for o, w in zip(outs + [side_out], want + [want_side]):
-            assert o.finish_reason == "error" or (o.token_ids == w and o.finish_reason == "length")
+            for c, w_c in zip(o.outputs, w if len(o.outputs) > 1 else [w]):
+                assert c.finish_reason == "error" or (c.token_ids == w_c and c.finish_reason == "length")
     assert_idle(llm)
-    assert [o.token_ids for o in llm.generate(FAULT_PROMPTS, FAULT_PARAMS)] == want
+    assert [tokens(o) for o in llm.generate(FAULT_PROMPTS, FAULT_PARAMS)] == want
     assert_idle(llm)
 
 
@@ -1116,16 +1162,16 @@ def test_a_failing_sequence_append_leaves_none_stuck(tiny, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         llm.generate(["a", "b"], greedy(4))
     assert_idle(llm)
-    assert llm.generate(["c"], greedy(4))[0].token_ids == solo(tiny, CPU, llm.tokenizer.encode("c"), greedy(4))
+    assert llm.generate(["c"], greedy(4))[0].outputs[0].token_ids == solo(tiny, CPU, llm.tokenizer.encode("c"), greedy(4))
 
 
 def test_huge_top_k_is_off(tiny):
     """top_k past the vocabulary (even past int32) means off; it once raised OverflowError inside every later step."""
     llm = make_llm(tiny, CPU)
     out = llm.generate(["Hello"], SamplingParams(top_k=2 ** 31, max_tokens=4, seed=3))[0]
-    assert out.finish_reason == "length"
-    assert out.token_ids == llm.generate(["Hello"], SamplingParams(top_k=0, max_tokens=4, seed=3))[0].token_ids
-    assert llm.generate(["Hello"], greedy(4))[0].finish_reason == "length"
+    assert out.outputs[0].finish_reason == "length"
+    assert out.outputs[0].token_ids == llm.generate(["Hello"], SamplingParams(top_k=0, max_tokens=4, seed=3))[0].outputs[0].token_ids
+    assert llm.generate(["Hello"], greedy(4))[0].outputs[0].finish_reason == "length"
     assert_idle(llm)
 
 
@@ -1139,7 +1185,7 @@ def test_abort_request(tiny, dev):
     ids = [llm.add_request(p, greedy(100)) for p in prompts]
     done = {}
     for _ in range(2):  # a prefill, and a decode step (or a run of up to 16)
-        done.update((rid, out) for rid, _, out in llm.step() if out is not None)
+        done.update((rid, out) for rid, _, _, out in llm.step() if out is not None)
     free_before = llm.kv.allocator.num_free()
     llm.abort_request([ids[0], ids[3], 12345])  # running; waiting (max_num_seqs=2); unknown
     assert llm.kv.allocator.num_free() > free_before
@@ -1148,10 +1194,10 @@ def test_abort_request(tiny, dev):
     for rid, p in zip(ids, prompts):
         want = solo(tiny, dev, p, greedy(100))
         if rid in (ids[0], ids[3]):
-            assert done[rid].finish_reason == "abort" and done[rid].token_ids == want[:len(done[rid].token_ids)]
+            assert done[rid].outputs[0].finish_reason == "abort" and done[rid].outputs[0].token_ids == want[:len(done[rid].outputs[0].token_ids)]
         else:
-            assert done[rid].finish_reason == "length" and done[rid].token_ids == want
-    assert done[ids[3]].token_ids == []
+            assert done[rid].outputs[0].finish_reason == "length" and done[rid].outputs[0].token_ids == want
+    assert done[ids[3]].outputs[0].token_ids == []
     assert_idle(llm)
 
 
@@ -1174,14 +1220,14 @@ def test_a_stream_left_early_aborts_its_requests(tiny, dev, how):
             for _ in llm.stream(prompts, greedy(40)):
                 1 / 0
     assert_idle(llm)
-    assert llm.generate(["Hi"], greedy(5))[0].token_ids == solo(tiny, dev, llm.tokenizer.encode("Hi"), greedy(5))
+    assert llm.generate(["Hi"], greedy(5))[0].outputs[0].token_ids == solo(tiny, dev, llm.tokenizer.encode("Hi"), greedy(5))
 
 
 def test_bad_params_in_a_list_refuse_that_prompt_only(tiny):
     """params=[ok, {}]: the second prompt is refused with an error naming SamplingParams, the first finishes."""
     llm = make_llm(tiny, CPU)
     outs = llm.generate(["Hello", "world"], [greedy(3), {}])
-    assert outs[0].finish_reason == "length" and outs[1].finish_reason == "error" and "SamplingParams" in outs[1].error
+    assert outs[0].outputs[0].finish_reason == "length" and outs[1].outputs[0].finish_reason == "error" and "SamplingParams" in outs[1].error
     assert_idle(llm)
 
 
@@ -1211,17 +1257,17 @@ def test_streams_inside_a_stream(tiny, dev):
 
     def nested():
         outer, inner = {}, {}
-        for k, (i, _, out) in enumerate(llm.stream(prompts[:2], greedy(10))):
+        for k, (i, _, _, out) in enumerate(llm.stream(prompts[:2], greedy(10))):
             if k == 0:
                 inner["generate"] = llm.generate(prompts[2:4], greedy(6))
-                inner["stream"] = [o for _, _, o in llm.stream(prompts[4:], greedy(7)) if o is not None]
+                inner["stream"] = [o for *_, o in llm.stream(prompts[4:], greedy(7)) if o is not None]
             if out is not None:
                 outer[i] = out
         return outer, inner
     outer, inner = run_with_timeout(nested)
     got = [outer[0], outer[1]] + inner["generate"] + inner["stream"]
     lengths = [10, 10, 6, 6, 7]
-    assert [o.token_ids for o in got] == [solo(tiny, dev, p, greedy(n)) for p, n in zip(prompts, lengths)]
+    assert [o.outputs[0].token_ids for o in got] == [solo(tiny, dev, p, greedy(n)) for p, n in zip(prompts, lengths)]
     assert_idle(llm)
 
 
@@ -1233,7 +1279,7 @@ def test_threads_share_one_engine(tiny, dev):
     prompts = {t: [random_ids(4 + t + j, 50 + 10 * t + j) for j in range(3)] for t in range(4)}
 
     def worker(t):
-        return [[o.token_ids for o in llm.generate(prompts[t], greedy(8 + t))] for _ in range(3)]
+        return [[o.outputs[0].token_ids for o in llm.generate(prompts[t], greedy(8 + t))] for _ in range(3)]
     results = {}
     threads = [threading.Thread(target=lambda t=t: results.__setitem__(t, worker(t)), daemon=True) for t in range(4)]
     run_with_timeout(lambda: [th.start() for th in threads] and [th.join() for th in threads])
@@ -1249,7 +1295,7 @@ import nanoinfer
 llm = nanoinfer.LLM(sys.argv[1], device="cpu", num_kv_tokens=512, block_size=4, max_num_batched_tokens=24)
 prompts = [list(range(100 + i, 130 + 7 * i)) for i in range(4)]
 params = nanoinfer.SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
-want = [o.token_ids for o in llm.generate(prompts, params)]
+want = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
 signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
 print("ready", flush=True)
 runs = interrupted = 0
@@ -1262,9 +1308,9 @@ while not select.select([sys.stdin], [], [], 0)[0]:
     finally:
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     runs, interrupted = runs + 1, interrupted + (outs is None)
-    assert outs is None or [o.token_ids for o in outs] == want, "wrong tokens after an interrupt"
+    assert outs is None or [o.outputs[0].token_ids for o in outs] == want, "wrong tokens after an interrupt"
     assert not llm.has_unfinished() and llm.kv.allocator.num_free() == llm.kv.num_blocks, "left over after Ctrl-C"
-assert [o.token_ids for o in llm.generate(prompts, params)] == want
+assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want
 print(json.dumps(dict(runs=runs, interrupted=interrupted)))
 """
 
@@ -1318,7 +1364,7 @@ import nanoinfer
 llm = nanoinfer.LLM(sys.argv[1], device="cuda")
 print("ready", flush=True)
 sys.stdin.readline()
-print(llm.generate(["Hello"], nanoinfer.SamplingParams(max_tokens=5, temperature=0))[0].finish_reason, flush=True)
+print(llm.generate(["Hello"], nanoinfer.SamplingParams(max_tokens=5, temperature=0))[0].outputs[0].finish_reason, flush=True)
 """
 
 
@@ -1359,7 +1405,7 @@ def test_config_settings_are_honoured(tmp_path, dev, config):
     assert ours.shape == ref.shape and rel_err(ours, ref) < dev.tol
     if "vocab_size" in config:  # temperature 5 makes the random padding rows likely, were they in the logits
         out = llm.generate(["Hello"], SamplingParams(max_tokens=100, temperature=5.0, seed=1, ignore_eos=True))[0]
-        assert out.finish_reason == "length" and max(out.token_ids) < 50257
+        assert out.outputs[0].finish_reason == "length" and max(out.outputs[0].token_ids) < 50257
 
 
 def _edit_config(ckpt, tmp_path, edit):
@@ -1422,6 +1468,43 @@ def slow_step(self):
     return step(self)
 nanoinfer.LLM._step = slow_step
 """
+
+
+VLLM_QUICKSTART = """
+from vllm import LLM, SamplingParams
+
+prompts = [
+    "Hello, my name is",
+    "The president of the United States is",
+    "The capital of France is",
+    "The future of AI is",
+]
+sampling_params = SamplingParams(temperature=0.8, top_p=0.95)
+
+llm = LLM(model="facebook/opt-125m")
+
+outputs = llm.generate(prompts, sampling_params)
+
+for output in outputs:
+    prompt = output.prompt
+    generated_text = output.outputs[0].text
+    print(f"Prompt: {prompt!r}, Generated text: {generated_text!r}")
+"""
+
+
+def test_vllm_quickstart_runs_unchanged(tiny):
+    """vLLM's offline-inference quickstart (docs.vllm.ai, Quickstart), changed only in its import line and model
+    path, prints each prompt and a generated text; as a subprocess, from outside the checkout."""
+    code = VLLM_QUICKSTART.replace("from vllm import", "from nanoinfer import").replace(
+        '"facebook/opt-125m"', repr(str(tiny.path)))
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tiny.path,
+                       env={**os.environ, "PYTHONPATH": str(HERE)})
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    assert [line.split(", Generated text: ")[0] for line in lines] == \
+        [f"Prompt: {s!r}" for s in ("Hello, my name is", "The president of the United States is",
+                                      "The capital of France is", "The future of AI is")]
+    assert all(len(ast.literal_eval(line.split(", Generated text: ")[1])) > 0 for line in lines)
 
 
 def test_cli_refused_prompt_exits_1(tiny):
@@ -1551,7 +1634,7 @@ def test_download_through_a_loopback_hub(tiny, tmp_path):
            "HF_HOME": str(tmp_path / "home"), "HF_HUB_DISABLE_XET": "1"}
     code = ("import json, nanoinfer as ni; llm = ni.LLM('gpt2', device='cpu', num_kv_tokens=256); "
             "print(json.dumps(llm.generate('Hello world', ni.SamplingParams(temperature=0, max_tokens=5, "
-            "ignore_eos=True))[0].token_ids))")
+            "ignore_eos=True))[0].outputs[0].token_ids))")
     try:
         first = _run_py(code, env, tmp_path)
     finally:
@@ -1870,7 +1953,7 @@ def generate_greedy(ckpt, **kw):
     """(the LLM, its 24 greedy tokens for each of PROMPTS, EOS ignored), on CUDA."""
     llm = LLM(str(ckpt.path), device="cuda", num_kv_tokens=4096, **kw)
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
-    return llm, [o.token_ids for o in outs]
+    return llm, [o.outputs[0].token_ids for o in outs]
 
 
 @NO_GPU
@@ -1923,7 +2006,7 @@ def test_dependent_launches_change_no_token(which, request, monkeypatch):
         outs = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)) + \
             llm.generate(batch[:6], greedy) + llm.generate(batch, greedy)
         assert {1, 8, 32} <= {B for B, _ in launches}, f"graphs replayed: {sorted(set(launches))}"
-        tokens[pdl] = [o.token_ids for o in outs]
+        tokens[pdl] = [o.outputs[0].token_ids for o in outs]
     assert tokens[True] == tokens[False]
 
 
@@ -1933,7 +2016,7 @@ from nanoinfer import LLM, SamplingParams
 make = lambda: LLM({path!r}, device="cuda", dtype="float32", num_kv_tokens=4096, max_num_seqs=8)
 prompts = [[464, 2068, 7586], [15496, 11], [40, 716, 257, 3303]]
 greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-want = [o.token_ids for o in make().generate(prompts, greedy)]
+want = [o.outputs[0].token_ids for o in make().generate(prompts, greedy)]
 busy = cp.empty(1 << 29, np.uint8)
 junk = cp.full(1 << 28, 0x7F7F7F7F, np.int32)  # 1 GiB of large numbers, handed back to the driver
 cp.cuda.Device().synchronize()
@@ -1946,7 +2029,7 @@ def on_a_busy_gpu(*args):
     capture(*args)
 cuda_backend.DecodeGraph.__init__ = on_a_busy_gpu
 llm = make()
-assert [o.token_ids for o in llm.generate(prompts, greedy)] == want
+assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)] == want
 print("same tokens")
 """
 
@@ -1984,7 +2067,7 @@ def test_multi_step_decoding_changes_no_token(tiny, monkeypatch):
                   for i, (m, t) in enumerate([(60, 0), (90, 1.0), (85, 0.8), (99, 0)])]
         outs = llm.generate(PROMPTS[:4], params)
         assert llm.kv.allocator.num_free() == llm.kv.num_blocks
-        return [(o.token_ids, o.text, o.finish_reason) for o in outs], runs
+        return [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason) for o in outs], runs
 
     eager, _ = run(cuda_graphs=False)
     text = eager[0][1]
@@ -2004,11 +2087,11 @@ def test_graph_runs_in_a_pool_too_tight_for_one_more_step(tiny, monkeypatch):
     its block table: IndexError in slot_mapping); the scheduler preempts instead, and both requests get the greedy
     tokens of a roomy engine; every block is free at the end; fp32."""
     prompts, params = [[464, 2068, 7586], [15496, 11, 616]], greedy(16)
-    roomy = [o.token_ids for o in LLM(str(tiny.path), device="cuda", dtype="float32", num_kv_tokens=4096)
+    roomy = [o.outputs[0].token_ids for o in LLM(str(tiny.path), device="cuda", dtype="float32", num_kv_tokens=4096)
              .generate(prompts, params)]
     launches = graph_launches(monkeypatch)
     llm = LLM(str(tiny.path), device="cuda", dtype="float32", num_kv_tokens=19, block_size=1, max_num_seqs=2)
-    assert [o.token_ids for o in llm.generate(prompts, params)] == roomy
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == roomy
     assert launches and llm.scheduler.num_preemptions > 0, (launches, llm.scheduler.num_preemptions)
     assert llm.kv.allocator.num_free() == llm.kv.num_blocks
 
@@ -2031,7 +2114,7 @@ def test_a_full_engine_admits_by_groups(tiny):
             return scheduled
         llm.scheduler.schedule = recorded
         outs = llm.generate([random_ids(5, i) for i in range(96)], [greedy(4 + 5 * i % 37) for i in range(96)])
-        return [o.token_ids for o in outs], admissions
+        return [o.outputs[0].token_ids for o in outs], admissions
 
     eager, one_by_one = run(cuda_graphs=False)
     graphed, by_groups = run(cuda_graphs=True)
@@ -2046,3 +2129,4 @@ def test_unfused_epilogues_change_no_token(tiny):
     fused epilogues; fp32, where the two differ only in the last bits."""
     assert generate_greedy(tiny, dtype="float32", fused=False)[1] == \
         generate_greedy(tiny, dtype="float32", fused=True)[1]
+
