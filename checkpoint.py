@@ -1,4 +1,5 @@
-"""A GPT-2 model directory as Hugging Face lays it out: config.json, model.safetensors, vocab.json and merges.txt.
+"""A GPT-2 model directory as Hugging Face lays it out: config.json, model.safetensors, and the tokenizer's
+vocab.json and merges.txt (or tokenizer.json).
 
 Fetched by name through the Hugging Face cache, or read from a local directory. Every setting and tensor is checked
 against what the engine computes, and an error names the file and says what to do.
@@ -45,26 +46,57 @@ class GPTConfig:
 
 
 def resolve_model(model):
-    """A local directory as it is, or a GPT-2 name fetched through the Hugging Face cache (downloaded once)."""
+    """A local directory as it is, or a GPT-2 name fetched through the Hugging Face cache (downloaded once). Offline
+    (HF_HUB_OFFLINE=1, or the Hub unreachable) an uncached name fails at once, saying how to get it."""
     path = Path(model).expanduser()
     if path.is_dir():
         return path
     if model not in HF_REPOS:
         raise FileNotFoundError(f"--model {model!r} is neither a directory nor one of {', '.join(HF_REPOS)}: "
                                 "pass a GPT-2 name or a directory holding " + ", ".join(MODEL_FILES))
-    from huggingface_hub import hf_hub_download
-    try:  # the cached copy first, with no network round trip; else download, with a progress bar
-        files = [hf_hub_download(HF_REPOS[model], name, local_files_only=True) for name in MODEL_FILES]
+    from huggingface_hub import constants, hf_hub_download
+    repo = HF_REPOS[model]
+    later = (f"download it on a connected machine with `hf download {repo} {' '.join(MODEL_FILES)}` (it goes to "
+             "the Hugging Face cache, HF_HOME), or pass --model PATH to a local directory holding "
+             + ", ".join(MODEL_FILES))
+    try:  # the cached copy first, with no network round trip
+        return Path([hf_hub_download(repo, name, local_files_only=True) for name in MODEL_FILES][0]).parent
     except Exception:
-        files = None
+        pass
+    if constants.HF_HUB_OFFLINE:
+        raise RuntimeError(f"{model} ({repo}) is not in the Hugging Face cache, and HF_HUB_OFFLINE=1 forbids "
+                           f"downloading: unset it to download once, or {later}")
+    reachable = _reachable(constants.ENDPOINT)
+    if reachable is not True:  # fail now, not after the Hub client's retries (about 23 s)
+        raise RuntimeError(f"could not reach {constants.ENDPOINT} to download {model} ({repo}), and no cached copy "
+                           f"is there ({reachable}). Connect to the network once, or {later}; set HF_HUB_OFFLINE=1 "
+                           "not to try the network at all")
     try:
-        files = files or [hf_hub_download(HF_REPOS[model], name) for name in MODEL_FILES]
+        files = [hf_hub_download(repo, name) for name in MODEL_FILES]
     except Exception as e:
-        raise RuntimeError(
-            f"could not download {model} ({HF_REPOS[model]}) from the Hugging Face Hub, and no cached copy is there "
-            f"({type(e).__name__}: {e}). Connect to the network once (the files are cached for later), or pass "
-            "--model PATH to a local directory holding " + ", ".join(MODEL_FILES)) from None
+        raise RuntimeError(f"could not download {model} ({repo}) from the Hugging Face Hub ({type(e).__name__}: "
+                           f"{e}). Connect to the network once (the files are cached for later), or {later}") from None
     return Path(files[0]).parent
+
+
+def _reachable(url, timeout=5):
+    """True if an HTTP server answers at url (any status; proxies from the environment apply), else why not."""
+    import urllib.error
+    import urllib.request
+    try:
+        urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=timeout).close()
+        return True
+    except urllib.error.HTTPError:  # it answered
+        return True
+    except Exception as e:
+        return f"{type(e).__name__}: {getattr(e, 'reason', e)}"
+
+
+def _read_json(f):
+    try:
+        return json.loads(f.read_text(encoding="utf-8"))
+    except ValueError as e:
+        raise ValueError(f"{f} is not valid JSON ({e})") from None
 
 
 def _need(path, name):
@@ -157,7 +189,7 @@ def load_weights(path, config):
     return weights
 
 # -----------------------------------------------------------------------------
-# tokenizer: tiktoken's fast BPE, built from the model directory's own vocab.json + merges.txt
+# tokenizer: tiktoken's fast BPE, built from the model directory's own vocabulary
 
 GPT2_SPLIT = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
@@ -175,22 +207,33 @@ def bytes_to_unicode():
 
 
 class Tokenizer:
+    """tiktoken's BPE over the directory's vocabulary: vocab.json + merges.txt, or a tokenizers-library
+    tokenizer.json (what transformers 5's save_pretrained writes) holding the same two in one file."""
     def __init__(self, path):
         import tiktoken
-        vocab_file, merges_file = _need(path, "vocab.json"), _need(path, "merges.txt")
+        if (path / "vocab.json").is_file() or not (path / "tokenizer.json").is_file():
+            vocab_file, merges_file = _need(path, "vocab.json"), _need(path, "merges.txt")
+            source = f"{vocab_file} with {merges_file}"
+            vocab, merges = _read_json(vocab_file), [l for l in merges_file.read_text("utf-8").split("\n")[1:] if l]
+        else:
+            source = path / "tokenizer.json"
+            try:
+                spec = _read_json(source)
+                vocab, merges = spec["model"]["vocab"], spec["model"]["merges"]
+                vocab.update({t["content"]: t["id"] for t in spec.get("added_tokens", [])})
+            except (KeyError, TypeError, AttributeError) as e:
+                raise ValueError(f"{source} is not a byte-level BPE tokenizer ({type(e).__name__}: {e})") from None
         try:
-            vocab = json.loads(vocab_file.read_text(encoding="utf-8"))
             self.eot_token = vocab.pop("<|endoftext|>")
             byte_of = {ch: b for b, ch in bytes_to_unicode().items()}
             # GPT-2's token ids are its merge ranks, which is exactly what tiktoken wants
             ranks = {bytes(byte_of[ch] for ch in tok): i for tok, i in vocab.items()}
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise ValueError(f"{vocab_file} is not a GPT-2 vocabulary holding <|endoftext|> "
+        except (KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{source} is not a GPT-2 vocabulary holding <|endoftext|> "
                              f"({type(e).__name__}: {e})") from None
-        merges = [l for l in merges_file.read_text(encoding="utf-8").split("\n")[1:] if l]
         if len(merges) != len(ranks) - 256:
-            raise ValueError(f"{merges_file} has {len(merges)} merges but {vocab_file} implies {len(ranks) - 256}: "
-                             "the two files do not belong together")
+            raise ValueError(f"{source}: {len(merges)} merges for {len(ranks)} tokens, where GPT-2 has 256 fewer "
+                             "merges than tokens: the vocabulary and the merges do not belong together")
         self.enc = tiktoken.Encoding("gpt2-local", pat_str=GPT2_SPLIT, mergeable_ranks=ranks,
                                      special_tokens={"<|endoftext|>": self.eot_token})
         self.n_vocab = self.enc.n_vocab  # the tokens it can decode: a padded embedding has more rows

@@ -1449,6 +1449,23 @@ def test_vocab_without_endoftext_refused(tiny, tmp_path):
         LLM(str(d), device="cpu", num_kv_tokens=256)
 
 
+def test_tokenizer_json_alone_loads(tiny, tmp_path):
+    """A directory whose tokenizer is only tokenizer.json, written by transformers' save_pretrained (as transformers 5
+    saves GPT-2): the same token ids both ways as with vocab.json + merges.txt, and the same greedy output."""
+    from transformers import GPT2TokenizerFast
+    d = tmp_path / "model"
+    shutil.copytree(tiny.path, d)
+    GPT2TokenizerFast.from_pretrained(d).save_pretrained(d)
+    for name in ("vocab.json", "merges.txt"):
+        (d / name).unlink()
+    assert json.loads((d / "tokenizer.json").read_text())["model"]["type"] == "BPE"
+    text = "Hello, world! Ünïcode and   spaces\n<|endoftext|> done"
+    ours, ref = LLM(str(d), device="cpu", num_kv_tokens=256), LLM(str(tiny.path), device="cpu", num_kv_tokens=256)
+    assert ours.tokenizer.encode(text) == ref.tokenizer.encode(text) and ours.tokenizer.eot_token == 50256
+    assert ours.tokenizer.decode(ref.tokenizer.encode(text)) == text
+    assert tokens(ours.generate(text, greedy(6))[0]) == tokens(ref.generate(text, greedy(6))[0])
+
+
 # -----------------------------------------------------------------------------
 # the command line: exit codes, and never a traceback
 
@@ -1579,15 +1596,18 @@ def _free_port():
 
 
 def test_offline_error_says_what_to_do(tmp_path):
-    """--model gpt2 with the Hub unreachable and nothing cached: an error that says to connect once or pass a
-    local directory."""
-    # the Hub client retries a refused connection with backoff sleeps (about 23 s): skip the sleeping
-    r = _run_py("import time; time.sleep = lambda s: None; import nanoinfer; nanoinfer.LLM('gpt2', device='cpu')",
-                {"HF_ENDPOINT": f"http://127.0.0.1:{_free_port()}", "HF_HUB_CACHE": str(tmp_path / "cache"),
-                 "HF_HOME": str(tmp_path / "home")}, tmp_path)
-    assert r.returncode != 0
-    msg = r.stderr.strip().splitlines()[-1]
-    assert "gpt2" in msg and "network" in msg.lower() and "director" in msg.lower(), r.stderr
+    """--model gpt2 with nothing cached: with the Hub unreachable, at once (no retries with backoff: they took 23 s),
+    an error saying to connect once, download it with `hf download`, or pass a directory, and naming HF_HUB_OFFLINE;
+    with HF_HUB_OFFLINE=1, without trying the network, an error naming it."""
+    env = {"HF_HUB_CACHE": str(tmp_path / "cache"), "HF_HOME": str(tmp_path / "home")}
+    code = "import nanoinfer; nanoinfer.LLM('gpt2', device='cpu')"
+    for extra, words in (({"HF_ENDPOINT": f"http://127.0.0.1:{_free_port()}"}, ("network", "HF_HUB_OFFLINE=1")),
+                         ({"HF_HUB_OFFLINE": "1"}, ("HF_HUB_OFFLINE=1", "forbids"))):
+        r = _run_py(code, {**env, **extra}, tmp_path)
+        assert r.returncode != 0
+        msg = r.stderr.strip().splitlines()[-1]
+        assert "gpt2" in msg and "hf download openai-community/gpt2" in msg and "directory" in msg, r.stderr
+        assert all(w in msg for w in words), msg
 
 
 class _Hub(BaseHTTPRequestHandler):
