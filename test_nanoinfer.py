@@ -1524,6 +1524,33 @@ def test_vllm_quickstart_runs_unchanged(tiny):
     assert all(len(ast.literal_eval(line.split(", Generated text: ")[1])) > 0 for line in lines)
 
 
+def test_cli_flags(tiny):
+    """--help shows every default and what 0 means; --num-samples prints each text under its own header, saying why
+    it stopped; --seed repeats a run and no seed does not; a prompt comes from stdin; --stop ends at a stop string
+    and says so; --logprobs prints a line per token."""
+    run = lambda *args, stdin=None: subprocess.run(
+        [sys.executable, str(HERE / "sample.py"), "--model", str(tiny.path), "--device", "cpu", *args],
+        input=stdin, capture_output=True, text=True, timeout=120, cwd=HERE)
+    h = " ".join(run("--help").stdout.split())
+    assert all(w in h for w in ("(default: 0.8)", "(default: 100)", "0 is greedy", "0 is off", "1 is off",
+                                "--num-samples", "--prompt-file", "--stop", "--ignore-eos", "--logprobs"))
+    two = run("--prompt", "Hi", "--num-samples", "2", "--max-new-tokens", "4", "--ignore-eos", "--seed", "5")
+    assert two.returncode == 0 and "--- [prompt 1/1, sample 1/2] ---\nHi" in two.stdout
+    assert "--- [prompt 1/1, sample 2/2] ---\nHi" in two.stdout
+    assert two.stderr.count("[stopped: max tokens (4; --max-new-tokens)]") == 2
+    again = run("--prompt", "Hi", "--num-samples", "2", "--max-new-tokens", "4", "--ignore-eos", "--seed", "5")
+    fresh = [run("--prompt", "Hi", "--max-new-tokens", "8", "--ignore-eos").stdout for _ in range(2)]
+    assert again.stdout == two.stdout and fresh[0] != fresh[1]
+    assert run("--prompt-file", "-", "--max-new-tokens", "3", stdin="Hello from stdin").stdout.startswith(
+        "Hello from stdin")
+    greedy_text = run("--prompt", "Hi", "--temperature", "0", "--max-new-tokens", "12", "--ignore-eos").stdout
+    stop = greedy_text[len("Hi"):].strip()[3:6]
+    cut = run("--prompt", "Hi", "--temperature", "0", "--max-new-tokens", "12", "--ignore-eos", "--stop", stop)
+    assert f"[stopped: stop string {stop!r}]" in cut.stderr and stop not in cut.stdout[len("Hi"):]
+    lp = run("--prompt", "Hi", "--temperature", "0", "--max-new-tokens", "3", "--ignore-eos", "--logprobs", "2")
+    assert len([line for line in lp.stderr.splitlines() if line.startswith("  ")]) == 3
+
+
 def test_cli_refused_prompt_exits_1(tiny):
     p = run_sample(["--model", str(tiny.path), "--device", "cpu", "--prompt", "Hi", "--prompt", "a " * 200,
                     "--max-new-tokens", "5"])
