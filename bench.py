@@ -2,10 +2,13 @@
 plans, a roofline of every kernel of a step, the kernel targets, one number per lesson, and end-to-end workloads
 beside a PyTorch decode step in a CUDA graph. CPU: the numpy engine against transformers' generate.
 
-    python bench.py --device cpu  |  --device cuda --json out.json --plot roofline.png  |  --plans (needs no GPU)
+    python bench.py [--device auto|cpu|cuda] [--repeats 3] [--json out.json] [--plot roofline.png]  |  --plans
+Each stage says what it measures as it starts; each end-to-end number is the median of --repeats runs, its range
+beside it. --plans prints the matmul plans for an H200 and needs no GPU; --plot needs requirements-bench.txt.
 """
 import argparse
 import gc
+import importlib.util
 import json
 import shutil
 import tempfile
@@ -245,6 +248,16 @@ def time_generate(llm, prompts, max_tokens, params=greedy):
     return sum(len(o.outputs[0].token_ids) for o in outs) / dt, dt
 
 
+def repeated(llm, prompts, max_tokens, repeats):
+    """An end-to-end row's number: time_generate `repeats` times; (median, min, max) tokens/s."""
+    runs = [time_generate(llm, prompts, max_tokens)[0] for _ in range(repeats)]
+    return float(np.median(runs)), min(runs), max(runs)
+
+
+def stage(what):
+    print(f"bench: {what}", flush=True)
+
+
 def time_transformers(path, prompts, max_tokens, device):
     """The same greedy workload through transformers' generate (tokens/s), or None without torch."""
     try:
@@ -324,6 +337,46 @@ def sampling_cost(llm, one, prompts, lens, rounds=3):
                      for w in ("single stream", "offline"))
 
 
+def server_load(llm, offline, clients=64, prompt_len=64, max_tokens=128):
+    """serve.py's app on this engine, in-process on a free port, and `clients` streaming clients at once (threads,
+    httpx): requests/s, time to first token p50 and p99, and output tokens/s beside the offline number."""
+    import socket
+    import threading
+    import httpx
+    import uvicorn
+    from serve import make_app
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(make_app(llm, "bench"), host="127.0.0.1", port=port, log_level="warning"))
+    threading.Thread(target=server.run, daemon=True).start()
+    while not server.started:
+        time.sleep(0.05)
+    rng, ttft = np.random.default_rng(1), []
+
+    def client():  # greedy, ignoring EOS: every client gets max_tokens
+        body = {"prompt": rng.integers(0, 50000, prompt_len).tolist(), "max_tokens": max_tokens, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        t0 = time.perf_counter()
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=600) as r:
+            lines = (line for line in r.iter_lines() if line.startswith("data: {"))
+            next(line for line in lines if json.loads(line[6:])["choices"][0]["text"])
+            ttft.append(time.perf_counter() - t0)
+            for _ in lines:  # the rest of the stream
+                pass
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    dt = time.perf_counter() - t0
+    server.should_exit = True
+    p50, p99 = np.percentile(ttft, [50, 99]) * 1e3
+    return (f"{clients / dt:.1f} requests/s, time to first token p50 {p50:.0f} ms, p99 {p99:.0f} ms; "
+            f"{clients * max_tokens / dt:,.0f} output tokens/s (offline: {offline:,.0f})")
+
+
 ABLATIONS = (("CUDA graphs off", dict(cuda_graphs=False)),  # a lesson each: its label, the LLM switch that turns it off
              ("multi-step decoding off (one graph run per step, its tokens read before the next is launched)",
               dict(num_scheduler_steps=1)),
@@ -332,14 +385,16 @@ ABLATIONS = (("CUDA graphs off", dict(cuda_graphs=False)),  # a lesson each: its
               dict(dependent_launches=False)))
 
 
-def bench_gpu(path):
-    """End-to-end rows and lessons: single stream and switches off, streaming, batching on gpt2; then gpt2-xl."""
+def bench_gpu(path, repeats):
+    """End-to-end rows and lessons: single stream and switches off, streaming, batching, the server on gpt2; then
+    gpt2-xl. Each row's number is the median of `repeats` runs."""
     import cupy as cp
+    stage("end to end on gpt2: single stream, the lessons' switches, streaming, batching, sampling, the server")
     llm, rng, lessons = LLM(str(path), device="cuda", gpu_memory_utilization=0.3), np.random.default_rng(0), {}
     one = [rng.integers(0, 50000, 64).tolist()]
-    tps, _ = time_generate(llm, one, 256)  # then with each lesson's switch off, in an engine with a small KV pool
-    rows = [dict(workload="single stream, prompt 64 -> 256", ours=tps, anchor=1e3 / torch_graph_decode("gpt2", 1, 320),
-                 anchor_name="PyTorch CUDA-graph step", target=4000)]
+    tps, lo, hi = repeated(llm, one, 256, repeats)  # then with each lesson's switch off, in an engine of a small pool
+    rows = [dict(workload="single stream, prompt 64 -> 256", ours=tps, low=lo, high=hi,
+                 anchor=1e3 / torch_graph_decode("gpt2", 1, 320), anchor_name="PyTorch CUDA-graph step", target=4000)]
     lessons["transformers generate, single stream (tok/s)"] = time_transformers(str(path), one, 64, "cuda")
     for label, switch in ABLATIONS:
         lessons[f"{label}: single stream tok/s (on: {tps:.0f})"] = time_generate(
@@ -358,9 +413,11 @@ def bench_gpu(path):
     mixed = np.random.default_rng(0)  # 256 requests, 64..512 in and out: all at once, then continuous vs static
     prompts = [mixed.integers(0, 50000, int(p)).tolist() for p in mixed.integers(64, 513, 256)]
     lens = [int(o) for o in mixed.integers(64, 513, 256)]
-    rows.append(dict(workload="offline: 256 requests, 64..512 in and out", ours=time_generate(llm, prompts, lens)[0],
+    offline, lo, hi = repeated(llm, prompts, lens, repeats)
+    rows.append(dict(workload="offline: 256 requests, 64..512 in and out", ours=offline, low=lo, high=hi,
                      anchor=256 * 1e3 / torch_graph_decode("gpt2", 256, 320), anchor_name="PyTorch graph B=256 ctx 320",
                      target=100000))
+    lessons["server: 64 streaming clients, prompt 64 -> 128"] = server_load(llm, offline)
     lessons["sampling (T 0.8, top-k 50, top-p 0.95) against greedy, tok/s"] = sampling_cost(llm, one, prompts, lens)
     llm.scheduler.max_num_seqs = 64
     cont, t0 = time_generate(llm, prompts, lens)[0], time.perf_counter()  # continuous, then static: 64 at a time
@@ -380,7 +437,8 @@ def bench_gpu(path):
         xl = LLM(str(random_checkpoint("gpt2-xl", tmp)), device="cuda", gpu_memory_utilization=0.3)
         floor = Roofline(xl.backend).copy_gbs * 1e9 / sum(w.nbytes for w in xl.model.w.values())
         lessons["gpt2-xl weight-bandwidth floor (tok/s)"] = floor
-        rows.append(dict(workload="gpt2-xl single stream", ours=time_generate(xl, one, 128)[0],
+        xl_tps, lo, hi = repeated(xl, one, 128, repeats)
+        rows.append(dict(workload="gpt2-xl single stream", ours=xl_tps, low=lo, high=hi,
                          anchor=1e3 / torch_graph_decode("gpt2-xl", 1, 320), anchor_name="PyTorch CUDA-graph step",
                          target=0.6 * floor))
     cp.get_default_memory_pool().free_all_blocks()
@@ -389,7 +447,9 @@ def bench_gpu(path):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", default="cuda", choices=["cpu", "cuda"])
+    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                    help="auto: the GPU if CuPy sees a Hopper GPU, else the CPU")
+    ap.add_argument("--repeats", type=int, default=3, help="runs of each end-to-end workload (median, min-max)")
     ap.add_argument("--model", default="random:gpt2")
     ap.add_argument("--json", help="write every number here")
     ap.add_argument("--plot", help="draw the roofline here (matplotlib)")
@@ -397,26 +457,43 @@ def main():
     args = ap.parse_args()
     if args.plans:
         return print_matmul_plans(132)
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        ap.error("--plot draws with matplotlib, which is not installed: pip install -r requirements-bench.txt")
+    if args.device != "cpu":
+        from cuda_backend import find_gpu
+        why = find_gpu()
+        if why and args.device == "cuda":
+            ap.exit(1, f"bench.py: --device cuda, but {why}. The GPU measurements need CuPy (pip install "
+                       "cupy-cuda13x) and a Hopper GPU; --device cpu measures the numpy engine.\n")
+        args.device = "cpu" if why else "cuda"
+        if why:
+            stage(f"no GPU to measure ({why}): the CPU engine against transformers")
     results = {"date": time.strftime("%Y-%m-%d"), "device": args.device, "model": args.model}
     with tempfile.TemporaryDirectory() as tmp:
         path = random_checkpoint(args.model.split(":", 1)[1], tmp) if args.model.startswith("random:") else args.model
         if args.device == "cpu":  # the numpy engine against transformers' generate
             llm, rng, rows = LLM(str(path), device="cpu", num_kv_tokens=16384), np.random.default_rng(0), []
             for batch in (1, 8):
+                stage(f"CPU, batch {batch}: nanoinfer, then transformers")
                 prompts = [rng.integers(0, 50000, 64).tolist() for _ in range(batch)]
-                ours, ref = time_generate(llm, prompts, 64)[0], time_transformers(str(path), prompts, 64, "cpu")
-                rows.append(dict(workload=f"CPU prompt 64 -> 64, batch {batch}", ours=ours, anchor=ref,
-                                 anchor_name="transformers generate", target=(1.0 if batch == 1 else 1.5) * (ref or 0)))
+                (ours, lo, hi), ref = repeated(llm, prompts, 64, args.repeats), \
+                    time_transformers(str(path), prompts, 64, "cpu")
+                rows.append(dict(workload=f"CPU prompt 64 -> 64, batch {batch}", ours=ours, low=lo, high=hi,
+                                 anchor=ref, anchor_name="transformers generate",
+                                 target=(1.0 if batch == 1 else 1.5) * (ref or 0)))
         else:
+            stage("ceilings, matmul plans, the roofline of a step's kernels, kernel targets")
             bench_kernels(results, args.plot)
-            rows, results["lessons"] = bench_gpu(path)
+            rows, results["lessons"] = bench_gpu(path, args.repeats)
             for name, value in results["lessons"].items():
                 print(f"{name}: {value if isinstance(value, str) else f'{value:,.0f}' if value else '-'}")
     results["end_to_end"] = rows
-    print(f"\n{'workload (tokens/s)':44} {'nanoinfer':>11} {'anchor':>11}  {'target':>9}  met  anchor")
+    print(f"\n{'workload (tokens/s)':44} {'nanoinfer':>11} {f'min-max of {args.repeats}':>19} {'anchor':>11}  "
+          f"{'target':>9}  met  anchor")
     for r in rows:
         anchor = f"{r['anchor']:11,.1f}" if r["anchor"] else f"{'-':>11}"
-        print(f"{r['workload']:44} {r['ours']:11,.1f} {anchor}  {r['target']:9,.1f}  "
+        spread = f"{r['low']:,.0f}-{r['high']:,.0f}"
+        print(f"{r['workload']:44} {r['ours']:11,.1f} {spread:>19} {anchor}  {r['target']:9,.1f}  "
               f"{'yes' if r['ours'] >= r['target'] else 'NO ':3}  {r['anchor_name']}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1, default=float))

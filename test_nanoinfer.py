@@ -1551,6 +1551,16 @@ def test_cli_flags(tiny):
     assert len([line for line in lp.stderr.splitlines() if line.startswith("  ")]) == 3
 
 
+def test_bench_without_a_gpu_says_so():
+    """bench.py --device cuda where CuPy cannot load: exit 1 with what to install and the CPU alternative, no
+    traceback; --device auto would measure the CPU instead."""
+    code = ("import sys, runpy; sys.modules['cupy'] = None; sys.argv = ['bench.py', '--device', 'cuda']; "
+            f"runpy.run_path({str(HERE / 'bench.py')!r}, run_name='__main__')")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=HERE)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "cupy-cuda13x" in r.stderr and "--device cpu" in r.stderr, r.stderr
+
+
 def test_cli_refused_prompt_exits_1(tiny):
     p = run_sample(["--model", str(tiny.path), "--device", "cpu", "--prompt", "Hi", "--prompt", "a " * 200,
                     "--max-new-tokens", "5"])
