@@ -6,6 +6,7 @@ against what the engine computes, and an error names the file and says what to d
 """
 import json
 import math
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -166,10 +167,15 @@ def load_weights(path, config):
     """numpy float32 weights, every matmul weight transposed once to (out, in): y = x @ w.T everywhere."""
     from safetensors import safe_open
     f = _need(path, "model.safetensors")
+    from tqdm.auto import tqdm
     try:
-        with safe_open(f, framework="np") as st:
-            # save_pretrained of GPT2LMHeadModel prefixes "transformer."; the Hub's files do not
-            tensors = {k.removeprefix("transformer."): st.get_tensor(k) for k in st.keys()}
+        size = f.stat().st_size  # a bar for files of 256 MB and more (gpt2-medium on)
+        with safe_open(f, framework="np") as st, tqdm(total=size, unit="B", unit_scale=True, file=sys.stderr,
+                                                      desc=f"loading {f.name}", disable=size < 2 ** 28) as bar:
+            tensors = {}  # save_pretrained of GPT2LMHeadModel prefixes "transformer."; the Hub's files do not
+            for k in st.keys():
+                tensors[k.removeprefix("transformer.")] = t = st.get_tensor(k)
+                bar.update(t.nbytes)
     except Exception as e:
         raise ValueError(f"{f} cannot be read as safetensors ({e}): the file is truncated or corrupt; "
                          "delete it and download or save it again") from None

@@ -325,7 +325,7 @@ class CompletionOutput:  # one sample of a request, as vLLM's
     token_ids: list = field(default_factory=list)
     cumulative_logprob: float = None  # with logprobs: the sum over the sampled tokens
     logprobs: list = None  # with logprobs=k: per token, {token id: Logprob} for the sampled one and the k most likely
-    finish_reason: str = None  # 'stop' (EOS, a stop string or token), 'length' (max_tokens, the context), 'abort', 'error'
+    finish_reason: str = None  # 'stop' (EOS, stop string or token), 'length' (max_tokens, context), 'abort', 'error'
     stop_reason: object = None  # the stop string or stop token id that ended it (None for EOS and length)
 
 
@@ -458,7 +458,11 @@ class LLM:
         self.backend.batch_invariant = batch_invariant
         # the lessons' switches: fusion, launch overhead (CUDA graphs), multi-step decoding, dependent launches
         self.backend.fuse, self.backend.pdl = fused, dependent_launches
-        self.model = GPT(c, load_weights(path, c), self.backend, self.tokenizer.n_vocab)
+        t0 = time.perf_counter()
+        weights = load_weights(path, c)
+        log(f"weights: {sum(w.size for w in weights.values()) / 1e6:,.0f}M parameters ({c.n_layer} layers, "
+            f"{c.n_embd} wide) from {path} in {time.perf_counter() - t0:.1f} s")
+        self.model = GPT(c, weights, self.backend, self.tokenizer.n_vocab)
         num_blocks = self._kv_pool_blocks(num_kv_tokens, gpu_memory_utilization, max_num_seqs, block_size)
         self.kv = PagedKVCache(self.backend, c.n_layer, c.n_head, c.head_dim, num_blocks, block_size)
         self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens)

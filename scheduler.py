@@ -175,7 +175,8 @@ class Scheduler:
         """Whether seq can hold num_tokens tokens, after taking back, newest first, the blocks that waiting sequences
         hold (a sample's share of its prompt, LLM._fork): a waiting sequence then computes its prompt itself."""
         while not self.kv.can_fit(seq.seq_id, num_tokens):
-            holder = next((s for s in reversed(self.waiting) if s is not seq and s.seq_id in self.kv.block_tables), None)
+            holder = next((s for s in reversed(self.waiting) if s is not seq and s.seq_id in self.kv.block_tables),
+                          None)
             if holder is None:
                 return False
             self.kv.free(holder.seq_id)
