@@ -254,6 +254,20 @@ def repeated(llm, prompts, max_tokens, repeats):
     return float(np.median(runs)), min(runs), max(runs)
 
 
+def batch_invariance_cost(path, rng, repeats):
+    """The CPU engine with batch_invariant on against off (outputs bitwise the same in any batch, at this price)."""
+    llms = {on: LLM(str(path), device="cpu", num_kv_tokens=16384, batch_invariant=on) for on in (True, False)}
+    cost = []
+    for batch in (1, 8):
+        prompts, runs = [rng.integers(0, 50000, 64).tolist() for _ in range(batch)], {True: [], False: []}
+        for _ in range(repeats):
+            for on in (True, False):
+                runs[on].append(time_generate(llms[on], prompts, 64)[0])
+        on, off = np.median(runs[True]), np.median(runs[False])
+        cost.append(f"batch {batch} {on:,.1f} on against {off:,.1f} off ({on / off:.0%})")
+    return "; ".join(cost)
+
+
 def stage(what):
     print(f"bench: {what}", flush=True)
 
@@ -481,6 +495,9 @@ def main():
                 rows.append(dict(workload=f"CPU prompt 64 -> 64, batch {batch}", ours=ours, low=lo, high=hi,
                                  anchor=ref, anchor_name="transformers generate",
                                  target=(1.0 if batch == 1 else 1.5) * (ref or 0)))
+            stage("the batch-invariant mode's cost: batch 1 and 8, on against off, alternating")
+            print("batch-invariant mode (every reduction row by row, in a fixed order), tok/s: " +
+                  batch_invariance_cost(path, rng, args.repeats))
         else:
             stage("ceilings, matmul plans, the roofline of a step's kernels, kernel targets")
             bench_kernels(results, args.plot)
