@@ -382,7 +382,7 @@ def test_seeded_sampling_reproducible_and_batch_independent(tiny, dev):
     ids = alone.prompt_token_ids
     ref = hf_logits(tiny, ids + alone.outputs[0].token_ids)[len(ids) - 1:-1].astype(np.float32)
     args = SAMPLED["temperature"], SAMPLED["top_k"], SAMPLED["top_p"], 1234
-    assert alone.outputs[0].token_ids == [spec_sample(row, *args, step, SAMPLED["min_p"]) for step, row in enumerate(ref)]
+    assert tokens(alone) == [spec_sample(row, *args, step, SAMPLED["min_p"]) for step, row in enumerate(ref)]
 
 
 def test_n_samples_share_the_prompt(tiny, dev):
@@ -784,7 +784,8 @@ def test_batch_invariant_outputs_are_bitwise_solo(tiny):
     together = llm.generate([p for p, _ in reqs], [q for _, q in reqs])
     assert llm.scheduler.num_preemptions > 0, "the pool did not force a preemption"
     for a, b in zip(alone, together):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids and a.outputs[0].logprobs == b.outputs[0].logprobs  # floats compared with ==: bit for bit
+        a, b = a.outputs[0], b.outputs[0]
+        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs  # floats compared with ==: bit for bit
 
 
 # -----------------------------------------------------------------------------
@@ -819,7 +820,7 @@ def test_request_that_never_fits_the_pool_is_refused(tiny):
     small, big = random_ids(5, 6), random_ids(10, 7)
     outs = llm.generate([small, big], [greedy(10), greedy(40)])
     assert outs[1].outputs[0].finish_reason == "error" and outs[1].error
-    assert outs[0].outputs[0].finish_reason == "length" and outs[0].outputs[0].token_ids == solo(tiny, CPU, small, greedy(10))
+    assert outs[0].outputs[0].finish_reason == "length" and tokens(outs[0]) == solo(tiny, CPU, small, greedy(10))
     with pytest.raises(ValueError):
         llm.add_request(big, greedy(40))
     assert not llm.has_unfinished() and llm.kv.allocator.num_free() == llm.kv.num_blocks
@@ -904,7 +905,8 @@ def test_stop_string(tiny, greedy_cases):
     assert stop.strip()
     params = greedy(stop=[stop, "never appears \u2603"])
     (out,) = llm.generate(prompt, params)
-    assert out.outputs[0].finish_reason == "stop" and stop not in out.outputs[0].text and out.outputs[0].text == full[:full.find(stop)]
+    text = out.outputs[0].text
+    assert out.outputs[0].finish_reason == "stop" and stop not in text and text == full[:full.find(stop)]
     assert len(out.outputs[0].token_ids) <= 8 and out.outputs[0].token_ids == ref[:len(out.outputs[0].token_ids)]
     assert "".join(delta for _, _, delta, _ in llm.stream(prompt, params)) == out.outputs[0].text
 
@@ -1162,7 +1164,7 @@ def test_a_failing_sequence_append_leaves_none_stuck(tiny, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         llm.generate(["a", "b"], greedy(4))
     assert_idle(llm)
-    assert llm.generate(["c"], greedy(4))[0].outputs[0].token_ids == solo(tiny, CPU, llm.tokenizer.encode("c"), greedy(4))
+    assert tokens(llm.generate(["c"], greedy(4))[0]) == solo(tiny, CPU, llm.tokenizer.encode("c"), greedy(4))
 
 
 def test_huge_top_k_is_off(tiny):
@@ -1170,7 +1172,7 @@ def test_huge_top_k_is_off(tiny):
     llm = make_llm(tiny, CPU)
     out = llm.generate(["Hello"], SamplingParams(top_k=2 ** 31, max_tokens=4, seed=3))[0]
     assert out.outputs[0].finish_reason == "length"
-    assert out.outputs[0].token_ids == llm.generate(["Hello"], SamplingParams(top_k=0, max_tokens=4, seed=3))[0].outputs[0].token_ids
+    assert tokens(out) == tokens(llm.generate(["Hello"], SamplingParams(top_k=0, max_tokens=4, seed=3))[0])
     assert llm.generate(["Hello"], greedy(4))[0].outputs[0].finish_reason == "length"
     assert_idle(llm)
 
@@ -1194,7 +1196,8 @@ def test_abort_request(tiny, dev):
     for rid, p in zip(ids, prompts):
         want = solo(tiny, dev, p, greedy(100))
         if rid in (ids[0], ids[3]):
-            assert done[rid].outputs[0].finish_reason == "abort" and done[rid].outputs[0].token_ids == want[:len(done[rid].outputs[0].token_ids)]
+            got = tokens(done[rid])
+            assert done[rid].outputs[0].finish_reason == "abort" and got == want[:len(got)]
         else:
             assert done[rid].outputs[0].finish_reason == "length" and done[rid].outputs[0].token_ids == want
     assert done[ids[3]].outputs[0].token_ids == []
@@ -1220,14 +1223,14 @@ def test_a_stream_left_early_aborts_its_requests(tiny, dev, how):
             for _ in llm.stream(prompts, greedy(40)):
                 1 / 0
     assert_idle(llm)
-    assert llm.generate(["Hi"], greedy(5))[0].outputs[0].token_ids == solo(tiny, dev, llm.tokenizer.encode("Hi"), greedy(5))
+    assert tokens(llm.generate(["Hi"], greedy(5))[0]) == solo(tiny, dev, llm.tokenizer.encode("Hi"), greedy(5))
 
 
 def test_bad_params_in_a_list_refuse_that_prompt_only(tiny):
     """params=[ok, {}]: the second prompt is refused with an error naming SamplingParams, the first finishes."""
     llm = make_llm(tiny, CPU)
     outs = llm.generate(["Hello", "world"], [greedy(3), {}])
-    assert outs[0].outputs[0].finish_reason == "length" and outs[1].outputs[0].finish_reason == "error" and "SamplingParams" in outs[1].error
+    assert [o.outputs[0].finish_reason for o in outs] == ["length", "error"] and "SamplingParams" in outs[1].error
     assert_idle(llm)
 
 
@@ -2240,7 +2243,8 @@ def test_server_completions_like_generate(server):
     got = client.completions.create(model="tiny", prompt="Hello, my name is", max_tokens=12, temperature=0,
                                     extra_body={"ignore_eos": True})
     assert got.choices[0].text == want.text and got.choices[0].finish_reason == "length"
-    assert got.usage.completion_tokens == 12 and got.usage.prompt_tokens == len(llm.tokenizer.encode("Hello, my name is"))
+    assert got.usage.completion_tokens == 12
+    assert got.usage.prompt_tokens == len(llm.tokenizer.encode("Hello, my name is"))
     chunks = list(client.completions.create(model="tiny", prompt="Hello, my name is", max_tokens=12, temperature=0,
                                             stream=True, extra_body={"ignore_eos": True}))
     assert "".join(c.choices[0].text for c in chunks) == want.text
