@@ -8,14 +8,16 @@ can skip it: nanoinfer.py's numpy op set defines what each op computes.
 import ctypes
 import functools
 import math
+import os
 import re
+import time
 import types
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from nanoinfer import EagerRunner, sampling_arrays
+from nanoinfer import EagerRunner, log, sampling_arrays
 
 cp = None  # cupy, imported when a CudaBackend is made (this file imports without it: plans are plain Python)
 
@@ -59,15 +61,20 @@ def tc_smem(bm, bn, stages):
 def compile_kernels():
     """Compile kernels.cu once per process (CuPy caches the binary on disk); {name: cupy.RawKernel}."""
     src = KERNELS_CU.read_text()
+    cache = Path(os.environ.get("CUPY_CACHE_DIR", "~/.cupy/kernel_cache")).expanduser()
+    cached, t0 = len(list(cache.glob("*"))) if cache.is_dir() else 0, time.perf_counter()
     try:
         mod = cp.RawModule(code=src, options=("-arch=sm_90a",), name_expressions=TEMPLATES)  # sm_90a: wgmma
         kernels = {name: mod.get_function(name) for name in TEMPLATES + PLAIN}
     except cp.cuda.compiler.CompileException as e:  # name the source lines, not NVRTC's temporary file
-        log, lines = e.get_message(), src.splitlines()
+        messages, lines = e.get_message(), src.splitlines()
         where = [f"  kernels.cu:{n}: {lines[int(n) - 1].strip()}"
-                 for n in dict.fromkeys(re.findall(r"\((\d+)\): error", log)) if 0 < int(n) <= len(lines)]
+                 for n in dict.fromkeys(re.findall(r"\((\d+)\): error", messages)) if 0 < int(n) <= len(lines)]
         raise RuntimeError(f"{KERNELS_CU} failed to compile (NVRTC):\n" + "\n".join(where) +
-                           "\n\nfull compiler log:\n" + log.replace("kern.cu(", "kernels.cu(")) from None
+                           "\n\nfull compiler log:\n" + messages.replace("kern.cu(", "kernels.cu(")) from None
+    new = (len(list(cache.glob("*"))) if cache.is_dir() else 0) > cached
+    how = "compiled by NVRTC (cached for next time)" if new else "loaded from CuPy's cache"
+    log(f"kernels.cu: {how} in {time.perf_counter() - t0:.1f} s")
     for bm, bn, stages in TC_TILES:  # more than 48 KB of shared memory needs an opt-in per kernel
         kernels[f"matmul_tc<{bm},{bn},{stages}>"].max_dynamic_shared_size_bytes = tc_smem(bm, bn, stages)
     for r in (4, 8):
@@ -591,7 +598,10 @@ class GraphRunner:
         # the largest first, whose activations the smaller ones then reuse (one stream: one shared pool)
         pool, m = cp.cuda.MemoryPool(), scheduler.max_num_seqs
         buckets = [b for b in GRAPH_BUCKETS if b < m] + [b for b in GRAPH_BUCKETS if b >= m][:1]
+        t0 = time.perf_counter()
         self.graphs = {B: DecodeGraph(model, kv, B, self.stream, pool) for B in reversed(buckets)}
+        log(f"captured {len(buckets)} CUDA graphs (decode batches of {buckets[0]} to {buckets[-1]} rows) in "
+            f"{time.perf_counter() - t0:.1f} s")
 
     def admission_group(self):
         """How many free seats let waiting requests in this step (None: none). An admission is an eager step (kernels
