@@ -1554,6 +1554,22 @@ def test_cli_flags(tiny):
     assert len([line for line in lp.stderr.splitlines() if line.startswith("  ")]) == 3
 
 
+def test_pip_install_gives_import_anywhere(tmp_path):
+    """pip install of the checkout (what `pip install git+URL` builds, here without the network): the engine's
+    modules and kernels.cu land flat in site-packages, and import nanoinfer works from any directory, the CUDA source
+    beside cuda_backend.py."""
+    site = tmp_path / "site"
+    r = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index",
+                        "--target", str(site), str(HERE)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.name for p in site.iterdir() if p.suffix in (".py", ".cu")) == [
+        "checkpoint.py", "cuda_backend.py", "kernels.cu", "nanoinfer.py", "paged_kv.py", "scheduler.py", "serve.py"]
+    code = "import nanoinfer, cuda_backend; print(nanoinfer.__file__, cuda_backend.KERNELS_CU.is_file())"
+    r = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(site)}, cwd=tmp_path,
+                       capture_output=True, text=True, timeout=120)
+    assert r.stdout.split() == [str(site / "nanoinfer.py"), "True"], r.stderr
+
+
 def test_bench_without_a_gpu_says_so():
     """bench.py --device cuda where CuPy cannot load: exit 1 with what to install and the CPU alternative, no
     traceback; --device auto would measure the CPU instead."""
