@@ -152,12 +152,14 @@ def make_app(llm, model_name):
     @app.get("/metrics")
     async def metrics():
         kv, s = llm.kv, llm.scheduler
+        with engine.lock:  # the engine thread counts under it
+            finished = sorted(engine.finished.items())
         return PlainTextResponse(f"nanoinfer_kv_blocks_free {kv.allocator.num_free()}\n"
                                  f"nanoinfer_kv_blocks_total {kv.num_blocks}\n"
                                  f"nanoinfer_requests_running {len(s.running)}\n"
                                  f"nanoinfer_requests_waiting {len(s.waiting)}\n" +
                                  "".join(f'nanoinfer_samples_finished{{reason="{reason}"}} {n}\n'
-                                         for reason, n in sorted(engine.finished.items())))
+                                         for reason, n in finished))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
