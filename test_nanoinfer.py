@@ -2265,8 +2265,14 @@ def test_server_completions_like_generate(server):
                                             stream=True, extra_body={"ignore_eos": True}))
     assert "".join(c.choices[0].text for c in chunks) == want.text
     assert chunks[-1].choices[0].finish_reason == "length"
-    two = client.completions.create(model="tiny", prompt=["a", "b"], max_tokens=4, n=2, temperature=1.0, seed=3)
+    two = client.completions.create(model="tiny", prompt=["a", "b"], max_tokens=4, n=2, temperature=1.0, seed=3,
+                                    extra_body={"ignore_eos": True})
     assert sorted(c.index for c in two.choices) == [0, 1, 2, 3]
+    streamed = {}  # the same, streamed: each choice's chunks, by index, in order
+    for chunk in client.completions.create(model="tiny", prompt=["a", "b"], max_tokens=4, n=2, temperature=1.0,
+                                           seed=3, stream=True, extra_body={"ignore_eos": True}):
+        streamed[chunk.choices[0].index] = streamed.get(chunk.choices[0].index, "") + chunk.choices[0].text
+    assert streamed == {c.index: c.text for c in two.choices}
     lp = client.completions.create(model="tiny", prompt="Hi", max_tokens=3, temperature=0, logprobs=2,
                                    extra_body={"ignore_eos": True}).choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 3 and all(len(t) >= 1 for t in
