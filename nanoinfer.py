@@ -524,9 +524,10 @@ class LLM:
             if interrupted:
                 raise KeyboardInterrupt
 
-    def add_request(self, prompt, params=None):
-        """Queue a request; step() returns its events. A bad one raises ValueError here and the others go on."""
-        return self._add(prompt, params, self._step_outbox)
+    def add_request(self, prompt, params=None, outbox=None):
+        """Queue a request; its events go to outbox.append (None: step() returns them). A bad one raises ValueError
+        here and the others go on."""
+        return self._add(prompt, params, self._step_outbox if outbox is None else outbox)
 
     def _add(self, prompt, params, outbox):
         params = SamplingParams() if params is None else params
@@ -685,9 +686,9 @@ class LLM:
         """Once a request's first sequence has its prompt in the cache (it samples now), its other samples start: each
         shares the prompt's full blocks, and computes again only the last, partial one (at least the prompt's last
         token, whose logits it samples from), so n samples cost one prompt's KV and one prefill."""
-        req = self._requests[seq.request_id]
-        if seq.index != 0 or not req.unforked:
+        if seq.index != 0 or seq.num_output > 0:  # only a request's first sample, at its first token
             return
+        req = self._requests[seq.request_id]
         shared = (len(seq.prompt_token_ids) - 1) // self.kv.block_size
         for sample in req.unforked:
             self.kv.share(seq.seq_id, sample.seq_id, shared)

@@ -37,24 +37,26 @@ class BadRequest(Exception):
 
 
 class EngineLoop:
-    """The LLM, stepped by one thread. add() queues the prompts of one HTTP request; their events come to one asyncio
-    queue, in the caller's event loop, as (prompt index, sample index, new text, RequestOutput once finished)."""
+    """The LLM, stepped by one thread. add() queues the prompts of one HTTP request, each with an Outbox: the engine
+    delivers their events to one asyncio queue, as (prompt index, sample index, new text, RequestOutput once done)."""
     def __init__(self, llm):
-        self.llm, self.routes, self.lock, self.wake = llm, {}, threading.Lock(), threading.Event()
-        self.finished = Counter()  # samples finished, by finish_reason
+        self.llm, self.wake, self.lock = llm, threading.Event(), threading.Lock()
+        self.live, self.finished = set(), Counter()  # outboxes of unfinished requests; samples done, by finish_reason
         threading.Thread(target=self._run, name="engine", daemon=True).start()
 
     def add(self, prompts, params):
         """(request ids, queue); a prompt the engine refuses raises ValueError, and those before it are aborted."""
-        queue, loop, ids = asyncio.Queue(), asyncio.get_running_loop(), []
-        with self.lock:  # routed before the engine thread can hand out a first event
-            try:
-                for i, prompt in enumerate(prompts):
-                    ids.append(self.llm.add_request(prompt, params))
-                    self.routes[ids[-1]] = loop, queue, i
-            except ValueError:
-                self.llm.abort_request(ids)
-                raise
+        queue, ids = asyncio.Queue(), []
+        try:
+            for i, prompt in enumerate(prompts):
+                outbox = Outbox(self, queue, i)
+                outbox.request_id = self.llm.add_request(prompt, params, outbox)
+                ids.append(outbox.request_id)
+        except ValueError:
+            with self.lock:
+                self.live.discard(outbox)  # the refused prompt's: it has no request
+            self.abort(ids)
+            raise
         self.wake.set()
         return ids, queue
 
@@ -69,23 +71,35 @@ class EngineLoop:
                 self.wake.clear()
                 continue
             try:
-                events = self.llm.step()
+                self.llm.step()  # the events go to the requests' outboxes
             except Exception as e:  # an error no request can be blamed for (scheduling): every request ends with it
                 log(f"an engine step failed: {type(e).__name__}: {e}; every request in it ends")
                 with self.lock:
-                    self.llm.abort_request(list(self.routes))
-                    for loop, queue, _ in self.routes.values():
-                        loop.call_soon_threadsafe(queue.put_nowait, e)
-                    self.routes.clear()
-                continue
-            with self.lock:
-                for request_id, sample, delta, out in events:
-                    loop, queue, i = self.routes.get(request_id, (None, None, None))
-                    if queue is not None:
-                        loop.call_soon_threadsafe(queue.put_nowait, (i, sample, delta, out))
-                    if out is not None:
-                        self.routes.pop(request_id, None)
-                        self.finished.update(c.finish_reason for c in out.outputs)
+                    failing, self.live = self.live, set()
+                for outbox in failing:
+                    outbox.put(e)
+                self.llm.abort_request([o.request_id for o in failing if o.request_id is not None])
+
+
+class Outbox:
+    """Where the engine puts one prompt's events (LLM.add_request's outbox), from its thread into the HTTP request's
+    asyncio queue, with the prompt's index."""
+    def __init__(self, engine, queue, index):
+        self.engine, self.queue, self.index, self.request_id = engine, queue, index, None
+        self.loop = asyncio.get_running_loop()
+        with engine.lock:
+            engine.live.add(self)
+
+    def put(self, item):
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+    def append(self, event):
+        _, sample, delta, out = event
+        self.put((self.index, sample, delta, out))
+        if out is not None:
+            with self.engine.lock:
+                self.engine.live.discard(self)
+                self.engine.finished.update(c.finish_reason for c in out.outputs)
 
 
 def error_response(message, param=None, status=400):
