@@ -254,17 +254,24 @@ def repeated(llm, prompts, max_tokens, repeats):
     return float(np.median(runs)), min(runs), max(runs)
 
 
+def a_against_b(run_a, run_b, repeats):
+    """Two ways of the same work (tokens/s each), alternating so that drifts hit both: medians and their ratio."""
+    runs = ([], [])
+    for _ in range(repeats):
+        for times, run in zip(runs, (run_a, run_b)):
+            times.append(run())
+    a, b = map(np.median, runs)
+    return f"{a:,.1f} against {b:,.1f} ({a / b:.1%})"
+
+
 def batch_invariance_cost(path, rng, repeats):
     """The CPU engine with batch_invariant on against off (outputs bitwise the same in any batch, at this price)."""
     llms = {on: LLM(str(path), device="cpu", num_kv_tokens=16384, batch_invariant=on) for on in (True, False)}
     cost = []
     for batch in (1, 8):
-        prompts, runs = [rng.integers(0, 50000, 64).tolist() for _ in range(batch)], {True: [], False: []}
-        for _ in range(repeats):
-            for on in (True, False):
-                runs[on].append(time_generate(llms[on], prompts, 64)[0])
-        on, off = np.median(runs[True]), np.median(runs[False])
-        cost.append(f"batch {batch} {on:,.1f} on against {off:,.1f} off ({on / off:.0%})")
+        prompts = [rng.integers(0, 50000, 64).tolist() for _ in range(batch)]
+        runs = (lambda on=on: time_generate(llms[on], prompts, 64)[0] for on in (True, False))
+        cost.append(f"batch {batch} " + a_against_b(*runs, repeats))
     return "; ".join(cost)
 
 
@@ -341,14 +348,9 @@ def torch_graph_decode(size, batch, context, steps=200):
 
 def sampling_cost(llm, one, prompts, lens, rounds=3):
     """Sampled against greedy, single stream and offline, alternating in one engine: medians and their ratio."""
-    runs = {(w, p): [] for w in ("single stream", "offline") for p in (sampled, greedy)}
-    for _ in range(rounds):
-        for params in (sampled, greedy):
-            runs["single stream", params].append(time_generate(llm, one, 256, params)[0])
-            runs["offline", params].append(time_generate(llm, prompts, lens, params)[0])
-    med = {key: float(np.median(v)) for key, v in runs.items()}
-    return "; ".join(f"{w} {med[w, sampled]:,.0f} vs {med[w, greedy]:,.0f} ({med[w, sampled] / med[w, greedy]:.1%})"
-                     for w in ("single stream", "offline"))
+    return "; ".join(f"{work} " + a_against_b(*(lambda p=p: time_generate(llm, work_prompts, n, p)[0]
+                                                for p in (sampled, greedy)), rounds)
+                     for work, work_prompts, n in (("single stream", one, 256), ("offline", prompts, lens)))
 
 
 def server_load(llm, offline, clients=64, prompt_len=64, max_tokens=128):
