@@ -111,10 +111,7 @@ def load_config(path):
     """GPTConfig from config.json. Every setting is checked, naming the file; one that would make transformers compute
     something nanoinfer does not (cross-attention, another activation) is refused."""
     f = _need(path, "config.json")
-    try:
-        cfg = json.loads(f.read_text())
-    except ValueError as e:
-        raise ValueError(f"{f} is not valid JSON ({e})") from None
+    cfg = _read_json(f)
     if not isinstance(cfg, dict):
         raise ValueError(f"{f} holds a JSON {type(cfg).__name__}, not an object of GPT-2 settings")
 
