@@ -120,6 +120,7 @@ SPLITK_SCRATCH = 1 << 22  # floats of split-K partial sums (16 MB), enough for e
 GEMV_LIGHT = 8 << 20  # matrices up to this many bytes take matmul_gemv<4>: room on the SM for the next kernel
 SKINNY_MAX_M = 8  # decode batches up to this many rows stream the weights through matmul_skinny
 PREFILL_MIN_Q = 16  # fp16 sequences with this many queries in a step use the tensor-core prefill attention
+INVARIANT_SPLITS = 16  # batch-invariant attention: a row of L keys always in min(16, L/32) splits, whatever the batch
 
 
 @dataclass(frozen=True)
@@ -131,6 +132,7 @@ class MatmulPlan:
     splits: int = 1  # K split over this many blocks, the last to finish adding up the partial sums
     k_per_split: int = 0
     ln_fused: bool = False  # the layernorm in front runs in the kernel's prologue (else as a kernel of its own)
+    rows_per_launch: int = 0  # M in launches of this many rows (0: one launch), each with its grid's rows
 
 
 def split_k(blocks, per_sm, K, most, MN, num_sms):
@@ -143,11 +145,18 @@ def split_k(blocks, per_sm, K, most, MN, num_sms):
     return cdiv(K, k_per_split), k_per_split
 
 
-def plan_matmul(M, N, K, ln, dtype, num_sms):
+def plan_matmul(M, N, K, ln, dtype, num_sms, invariant=False):
     """Kernel, tiles and split for y = epilogue(layernorm(x) @ w.T), x (M, K), w (N, K); ln: fuse the layernorm.
-    Decode is memory-bound (stream w once, keep every SM busy); prefill compute-bound (big tiles, few rounds)."""
+    Decode is memory-bound (stream w once, keep every SM busy); prefill compute-bound (big tiles, few rounds).
+    invariant: one tile and one K split for every M (by N and K alone): a row's sums run in one order in any batch."""
     if np.dtype(dtype) == np.float32:  # the exact path: plain fp32 FMAs, 64 x 64 tiles
         return MatmulPlan("matmul_f32", (cdiv(N, 64), cdiv(M, 64), 1), 256)
+    if invariant:  # decode's tile, and K split by N and K alone (as for a 64-row batch), M cut to fit the scratch
+        most = cdiv(K, 64) if N % 4 == 0 else 1
+        splits, k_per_split = split_k(cdiv(N, 32), 2, K, most, 64 * N, num_sms)
+        rows = min(M, max(64, SPLITK_SCRATCH // (N * splits) // 64 * 64) if splits > 1 else M)
+        return MatmulPlan("matmul_tc<64,32,8>", (cdiv(N, 32), cdiv(rows, 64), splits), 128, tc_smem(64, 32, 8),
+                          splits, k_per_split, rows_per_launch=rows)
     if M == 1 and K * 2 <= GEMV_SMEM and N <= 16384 and (not ln or K <= 2048):
         # one stream's decode: a warp per row of w; the lm_head's 50257 rows stream as fast through the tensor cores
         light = N * K * 2 <= GEMV_LIGHT  # 4 loads per lane per round leave room for the next kernel's blocks
@@ -177,13 +186,13 @@ def plan_matmul(M, N, K, ln, dtype, num_sms):
                       tc_smem(bm, bn, stages), splits, k_per_split)
 
 
-def plan_attention(cu_seqlens_q, context_lens, tensor_cores):
-    """Split a step's queries between the attention kernels, in numpy (no per-token loops): an fp16 sequence with
-    PREFILL_MIN_Q or more queries is cut into 64-query tiles for attention_prefill, most keys first (so the longest
-    tiles do not finish last); every other query is a row for attention_decode. Returns {name: int array}."""
+def plan_attention(cu_seqlens_q, context_lens, min_q):
+    """Split a step's queries between the attention kernels, in numpy (no per-token loops): a sequence with min_q or
+    more queries (fp16 only: None on the fp32 path) is cut into 64-query tiles for attention_prefill, most keys first
+    (so the longest tiles do not finish last); every other query is a row for attention_decode. {name: int array}."""
     cu, ctx = np.asarray(cu_seqlens_q, np.int64), np.asarray(context_lens, np.int64)
     n_q = np.diff(cu)
-    tiled = n_q >= PREFILL_MIN_Q if tensor_cores else np.zeros(len(n_q), bool)
+    tiled = n_q >= (min_q or np.inf)
     rs = np.nonzero(~tiled & (n_q > 0))[0]  # rows: every query of the untiled sequences
     counts = n_q[rs]
     row_seq = np.repeat(rs, counts)
@@ -220,6 +229,7 @@ class CudaBackend:
         self.num_sms = cp.cuda.Device().attributes["MultiProcessorCount"]
         self.fuse = True  # False runs layernorms, bias, GELU and residual adds as kernels of their own
         self.pdl = True  # False captures CUDA graphs whose kernels each wait for the one before to finish
+        self.batch_invariant = False  # True: plans that do not depend on the batch (LLM's switch)
         self._dependent = False  # launching into a graph capture with pdl on
         self._gelu = cp.ElementwiseKernel("T x", "T y", "float v = x; y = 0.5f * v * (1.f + tanhf(0.7978845608f * "
                                           "(v + 0.044715f * v * v * v)))", "gelu_tanh")  # the unfused GELU
@@ -227,6 +237,13 @@ class CudaBackend:
         self._counters = cp.zeros(4096, np.int32)  # split-K and split-context arrival counters (self-resetting)
         self._partial = cp.empty(SPLITK_SCRATCH, np.float32)  # split-K partial sums
         self._sample_scratch = {}  # V: (WarpSummary bytes, candidates) between the sampler's two kernels
+
+    @property
+    def tile_min_q(self):
+        """The fewest queries of a sequence that go to attention_prefill's tiles; None: none do (fp32). Batch-invariant
+        fp16 tiles every query, decode's too: a query's sums then run over the same 64-key tiles in any step (the
+        keys a query does not see add exact zeros), as attention_decode's warps and splits would not."""
+        return None if self.dtype == np.float32 else 1 if self.batch_invariant else PREFILL_MIN_Q
 
     def check_model(self, config):
         if config.head_dim != 64 or config.n_inner % 8:
@@ -287,7 +304,7 @@ class CudaBackend:
         """The batch's int32 arrays and attention plan on the GPU in one copy (a copy each costs more host time)."""
         fields = {f: getattr(batch, f) for f in ("input_ids", "positions", "slot_mapping", "cu_seqlens_q",
                                                  "context_lens", "block_tables", "logits_idx")}
-        fields.update(plan_attention(batch.cu_seqlens_q, batch.context_lens, self.dtype == np.float16))
+        fields.update(plan_attention(batch.cu_seqlens_q, batch.context_lens, self.tile_min_q))
         fields = {f: np.asarray(a, np.int32) for f, a in fields.items() if a is not None}
         starts = np.cumsum([0] + [cdiv(a.size, 4) * 4 for a in fields.values()])  # in int32s: 16-byte steps
         host = np.zeros(starts[-1], np.int32)
@@ -321,7 +338,7 @@ class CudaBackend:
     def matmul(self, x, w, bias=None, gelu=False, residual=None, ln=None, out_dtype=None):
         M, K = x.shape
         N = w.shape[0]
-        plan = plan_matmul(M, N, K, ln is not None and self.fuse, self.dtype, self.num_sms)
+        plan = plan_matmul(M, N, K, ln is not None and self.fuse, self.dtype, self.num_sms, self.batch_invariant)
         if ln is not None and not plan.ln_fused:  # the layernorm as a kernel of its own
             x, ln = self.layernorm(x, *ln), None
         if not self.fuse and (bias is not None or gelu or residual is not None):
@@ -340,14 +357,20 @@ class CudaBackend:
         if M == 0 or N == 0:
             return y
         bias = 0 if bias is None else self._contiguous(bias)
-        residual = 0 if residual is None else self._contiguous(residual)
-        args = (x, w, bias, residual, y, np.int32(M), np.int32(N), np.int32(K), np.int32(bool(gelu)))
-        if plan.kernel.startswith("matmul_gemv"):
-            ln_w, ln_b, eps = (0, 0, 0.0) if ln is None else (self._contiguous(ln[0]), self._contiguous(ln[1]), ln[2])
-            args += (np.int32(f32), ln_w, ln_b, np.float32(eps))
-        elif plan.kernel != "matmul_f32":
-            args += (np.int32(f32), np.int32(plan.k_per_split), self._partial, self._counters)
-        self.launch(plan.kernel, plan.grid, (plan.block,), args, shared_mem=plan.shared_mem)
+        residual = None if residual is None else self._contiguous(residual)
+        step = plan.rows_per_launch or M
+        for r in range(0, M, step):  # one launch, but for batch-invariant plans (their split-K scratch holds `step`)
+            m, rows = min(step, M - r), slice(r, r + step)
+            args = (x[rows], w, bias, 0 if residual is None else residual[rows], y[rows], np.int32(m), np.int32(N),
+                    np.int32(K), np.int32(bool(gelu)))
+            if plan.kernel.startswith("matmul_gemv"):
+                ln_w, ln_b, eps = (0, 0, 0.0) if ln is None else (self._contiguous(ln[0]), self._contiguous(ln[1]),
+                                                                  ln[2])
+                args += (np.int32(f32), ln_w, ln_b, np.float32(eps))
+            elif plan.kernel != "matmul_f32":
+                args += (np.int32(f32), np.int32(plan.k_per_split), self._partial, self._counters)
+            grid = plan.grid if m == M else (plan.grid[0], cdiv(m, 64), plan.grid[2])  # chunked plans: 64-row tiles
+            self.launch(plan.kernel, grid, (plan.block,), args, shared_mem=plan.shared_mem)
         return y if out_dtype is None else y.astype(out_dtype, copy=False)
 
     def cache_write(self, k, v, k_cache, v_cache, slot_mapping):
@@ -379,17 +402,28 @@ class CudaBackend:
                         (q, np.int32(qs), k_cache, v_cache) + common + (batch.cu_seqlens_q, batch.context_lens,
                                                                         batch.tile_seq, batch.tile_q0, np.int32(H),
                                                                         scale_log2, out))
-        if batch.n_rows:
-            # flash-decoding: ~4 blocks per SM, >= 32 keys and <= 32 splits (the merge keeps their LSEs in smem)
+        if batch.n_rows and self.batch_invariant:  # fp32: splits fixed by each row's length alone, the same in any batch
+            per_launch = self._counters.size // H  # rows whose splits the arrival counters can count at once
+            for r in range(0, batch.n_rows, per_launch):
+                rows = slice(r, r + per_launch)
+                self._attention_rows(q, qs, new_kv, k_cache, v_cache, common, batch.row_q[rows], batch.row_seq[rows],
+                                     batch.row_len[rows], H, scale_log2, out, INVARIANT_SPLITS)
+        elif batch.n_rows:  # flash-decoding: ~4 blocks per SM, >= 32 keys and <= 32 splits (the merge keeps their LSEs)
             nsplit = max(1, min(cdiv(4 * self.num_sms, batch.n_rows * H), cdiv(batch.max_row_len, 32), 32))
-            assert nsplit == 1 or batch.n_rows * H <= self._counters.size
-            part_o = cp.empty(batch.n_rows * H * nsplit * 64 if nsplit > 1 else 0, np.float32)
-            part_lse = cp.empty(batch.n_rows * H * nsplit if nsplit > 1 else 0, np.float32)
-            self.launch(f"attention_decode<{self.t}>", (batch.n_rows, H, nsplit), (128,),
-                        (q, np.int32(qs)) + new_kv + (k_cache, v_cache) + common +
-                        (batch.row_q, batch.row_seq, batch.row_len, np.int32(H), scale_log2, out, part_o, part_lse,
-                         self._counters))
+            self._attention_rows(q, qs, new_kv, k_cache, v_cache, common, batch.row_q, batch.row_seq, batch.row_len,
+                                 H, scale_log2, out, nsplit)
         return out
+
+    def _attention_rows(self, q, qs, new_kv, k_cache, v_cache, common, row_q, row_seq, row_len, H, scale_log2, out,
+                        nsplit):
+        """attention_decode over these rows, each row's keys in up to nsplit splits of >= 32 keys."""
+        n_rows = len(row_q)
+        assert nsplit == 1 or n_rows * H <= self._counters.size
+        part_o = cp.empty(n_rows * H * nsplit * 64 if nsplit > 1 else 0, np.float32)
+        part_lse = cp.empty(n_rows * H * nsplit if nsplit > 1 else 0, np.float32)
+        self.launch(f"attention_decode<{self.t}>", (n_rows, H, nsplit), (128,),
+                    (q, np.int32(qs)) + new_kv + (k_cache, v_cache) + common +
+                    (row_q, row_seq, row_len, np.int32(H), scale_log2, out, part_o, part_lse, self._counters))
 
     def penalize(self, logits, e):
         """NumpyBackend.penalize, in place on the (R, V) fp32 logits."""
@@ -516,13 +550,15 @@ class DecodeGraph:
             self.dev = {f: self.dev_buffer[starts[f]:starts[f] + sizes[f]] for f in self.FIELDS}
             self.token_ring = cp.zeros((2 * MAX_STEPS_PER_RUN, B), np.int32)  # one run's tokens while the next runs
             self.ring_row = 0  # the ring row the next step writes (the GPU keeps its own count in `substep`)
-            rows = cp.arange(B + 1, dtype=np.int32)
-            d = self.dev
-            self.batch = device_batch(  # CudaBackend.to_device's fields, for B decode rows
+            rows, d = cp.arange(B + 1, dtype=np.int32), self.dev
+            # CudaBackend.to_device's fields, for B decode rows: attention_decode's rows, or one-query tiles (tile_min_q)
+            attention = dict(row_q=rows[:B], row_seq=rows[:B], row_len=d["context_lens"], tile_seq=rows[:0],
+                             tile_q0=rows[:0]) if be.tile_min_q != 1 else dict(
+                row_q=rows[:0], row_seq=rows[:0], row_len=rows[:0], tile_seq=rows[:B], tile_q0=cp.zeros_like(rows[:B]))
+            self.batch = device_batch(
                 input_ids=d["input_ids"], positions=d["positions"], slot_mapping=d["slot_mapping"],
                 context_lens=d["context_lens"], block_tables=d["block_tables"].reshape(B, max_blocks),
-                cu_seqlens_q=rows, logits_idx=None, max_row_len=n_ctx, row_q=rows[:B], row_seq=rows[:B],
-                row_len=d["context_lens"], tile_seq=rows[:0], tile_q0=rows[:0])
+                cu_seqlens_q=rows, logits_idx=None, max_row_len=n_ctx, **attention)
             self.start([], sampling_arrays([]), RunPlan(0, *([],) * 4, np.zeros((0, 1), np.int32)))
             # the step's activations, and only they, come from the pool the graphs share: what one graph leaves free
             # there, the next one captured may take (a buffer kept from one step to the next, above, must not)

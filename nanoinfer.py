@@ -451,9 +451,6 @@ class LLM:
                              f"is {c.vocab_size}: the files do not belong together")
         self.backend = make_backend(device, dtype)
         self.backend.check_model(c)
-        if batch_invariant and self.backend.name != "cpu":
-            raise ValueError("batch_invariant=True runs on the CPU so far (the CUDA kernels' tiles, split-K and "
-                             "attention splits still follow the batch): use device='cpu'")
         # outputs bitwise the same solo, batched, chunked or preempted: every reduction row by row, in a fixed order
         self.backend.batch_invariant = batch_invariant
         # the lessons' switches: fusion, launch overhead (CUDA graphs), multi-step decoding, dependent launches

@@ -9,6 +9,7 @@ present, on CUDA in fp32 and fp16.
 Error metric everywhere: max|ours - ref| / max|ref|, under TOL[dtype] (fp32 1e-4, fp16 1e-2, see DESIGN.md).
 """
 import ast
+import dataclasses
 import hashlib
 import importlib.resources
 import json
@@ -701,6 +702,20 @@ def test_matmul_plan_for_every_gpt2_shape(C):
     assert cuda_backend.plan_matmul(5, 768, 768, True, np.float32, sms).kernel == "matmul_f32"
 
 
+@pytest.mark.parametrize("C", [768, 1600])
+def test_batch_invariant_matmul_plan_ignores_M(C):
+    """plan_matmul(invariant=True): for every M one tile and one K split (a row's sums then run in one order in any
+    batch); M is cut into launches whose split-K partial sums fit the scratch, and the grid covers y and K."""
+    for N, K in ((3 * C, C), (C, C), (4 * C, C), (C, 4 * C), (50257, C)):
+        plans = [cuda_backend.plan_matmul(M, N, K, True, np.float16, 132, invariant=True)
+                 for M in (1, 2, 8, 9, 64, 256, 2048, 16384)]
+        assert len({(p.kernel, p.grid[0], p.grid[2], p.splits, p.k_per_split, p.block) for p in plans}) == 1
+        for M, p in zip((1, 2, 8, 9, 64, 256, 2048, 16384), plans):
+            assert p.splits == 1 or p.rows_per_launch * N * p.splits <= cuda_backend.SPLITK_SCRATCH
+            assert p.grid[1] * 64 >= p.rows_per_launch and p.grid[0] * 32 >= N and not p.ln_fused
+            assert (p.splits - 1) * p.k_per_split < K <= p.splits * p.k_per_split
+
+
 _solo_cache = {}
 
 
@@ -767,25 +782,33 @@ def test_stress_every_request_gets_its_solo_output(tiny, dev, reqs, block_size, 
     target(float(llm.scheduler.num_preemptions), label="preemptions")  # steer the search toward pressure
 
 
-def test_batch_invariant_outputs_are_bitwise_solo(tiny):
-    """batch_invariant=True (CPU): 200 requests of mixed lengths and sampling settings, run together with chunked
-    prefill and a pool tight enough to preempt, give each request's solo tokens and bitwise its solo log-probs."""
+@pytest.mark.parametrize("dev", ALL_DEVICES)
+def test_batch_invariant_outputs_are_bitwise_solo(tiny, dev):
+    """batch_invariant=True: 200 requests of mixed lengths and sampling settings give each request's solo tokens and
+    bitwise its solo log-probs, run together three ways: with chunked prefill and a pool tight enough to preempt; all
+    at once (a batch of up to 200 rows); and without log-probs, which on the GPU decodes in CUDA graphs."""
     rng = np.random.default_rng()
     reqs = []
     for i in range(200):
-        n, max_tokens, seed = int(rng.integers(1, 60)), int(rng.integers(1, 12)), int(rng.integers(2 ** 32))
+        n, max_tokens, seed = int(rng.integers(1, 100)), int(rng.integers(1, 12)), int(rng.integers(2 ** 32))
         sampled = dict(temperature=float(rng.choice([0.5, 1.0, 1.5])), top_k=int(rng.choice([0, 40])),
                        top_p=float(rng.choice([1.0, 0.9])), seed=seed) if i % 2 else dict(temperature=0)
         reqs.append((random_ids(n, seed), SamplingParams(max_tokens=max_tokens, ignore_eos=True, logprobs=1,
                                                          **sampled)))
-    solo_llm = make_llm(tiny, CPU, batch_invariant=True)
-    alone = [solo_llm.generate([p], q)[0] for p, q in reqs]
-    llm = make_llm(tiny, CPU, batch_invariant=True, max_num_batched_tokens=24, num_kv_tokens=96, block_size=4)
-    together = llm.generate([p for p, _ in reqs], [q for _, q in reqs])
-    assert llm.scheduler.num_preemptions > 0, "the pool did not force a preemption"
-    for a, b in zip(alone, together):
-        a, b = a.outputs[0], b.outputs[0]
-        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs  # floats compared with ==: bit for bit
+    prompts = [p for p, _ in reqs]
+    solo_llm = make_llm(tiny, dev, batch_invariant=True)
+    alone = [solo_llm.generate([p], q, use_tqdm=False)[0].outputs[0] for p, q in reqs]
+    tight = make_llm(tiny, dev, batch_invariant=True, max_num_batched_tokens=24, num_kv_tokens=112, block_size=4)
+    roomy = make_llm(tiny, dev, batch_invariant=True)
+    runs = {"tight": tight.generate(prompts, [q for _, q in reqs], use_tqdm=False),
+            "all at once": roomy.generate(prompts, [q for _, q in reqs], use_tqdm=False),
+            "no logprobs": roomy.generate(prompts, [dataclasses.replace(q, logprobs=None) for _, q in reqs],
+                                          use_tqdm=False)}
+    assert tight.scheduler.num_preemptions > 0, "the pool did not force a preemption"
+    for name, together in runs.items():
+        differ = [i for i, (a, b) in enumerate(zip(alone, together)) if a.token_ids != b.outputs[0].token_ids or (
+            b.outputs[0].logprobs is not None and a.logprobs != b.outputs[0].logprobs)]  # floats with ==: bitwise
+        assert not differ, f"{name}: {len(differ)} of 200 requests differ from their solo runs, first {differ[:5]}"
 
 
 # -----------------------------------------------------------------------------
