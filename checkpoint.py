@@ -18,6 +18,8 @@ import numpy as np
 HF_REPOS = {"gpt2": "openai-community/gpt2", "gpt2-medium": "openai-community/gpt2-medium",
             "gpt2-large": "openai-community/gpt2-large", "gpt2-xl": "openai-community/gpt2-xl",
             "distilgpt2": "distilbert/distilgpt2"}
+# the GPT-2 family as (layers, heads, width): the shapes bench.py measures at
+SIZES = {"gpt2": (12, 12, 768), "gpt2-medium": (24, 16, 1024), "gpt2-large": (36, 20, 1280), "gpt2-xl": (48, 25, 1600)}
 MODEL_FILES = ("config.json", "model.safetensors", "vocab.json", "merges.txt")
 
 

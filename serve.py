@@ -38,18 +38,24 @@ class BadRequest(Exception):
 
 class EngineLoop:
     """The LLM, stepped by one thread. add() queues the prompts of one HTTP request, each with an Outbox: the engine
-    delivers their events to one asyncio queue, as (prompt index, sample index, new text, RequestOutput once done)."""
+    delivers their events to one asyncio queue, as (prompt index, sample index, new text, RequestOutput once done).
+    The event loop never waits for the engine (a step holds it for a whole graph run): add() runs in a worker thread,
+    and abort() leaves its ids for the engine thread, which aborts them before its next step."""
     def __init__(self, llm):
         self.llm, self.wake, self.lock = llm, threading.Event(), threading.Lock()
         self.live, self.finished = set(), Counter()  # outboxes of unfinished requests; samples done, by finish_reason
+        self.to_abort = []  # request ids the event loop gave up on
         threading.Thread(target=self._run, name="engine", daemon=True).start()
 
-    def add(self, prompts, params):
+    async def add(self, prompts, params):
         """(request ids, queue); a prompt the engine refuses raises ValueError, and those before it are aborted."""
-        queue, ids = asyncio.Queue(), []
+        return await asyncio.to_thread(self._add, prompts, params, asyncio.Queue(), asyncio.get_running_loop())
+
+    def _add(self, prompts, params, queue, loop):
+        ids = []
         try:
             for i, prompt in enumerate(prompts):
-                outbox = Outbox(self, queue, i)
+                outbox = Outbox(self, queue, i, loop)
                 outbox.request_id = self.llm.add_request(prompt, params, outbox)
                 ids.append(outbox.request_id)
         except ValueError:
@@ -61,11 +67,15 @@ class EngineLoop:
         return ids, queue
 
     def abort(self, request_ids):
-        self.llm.abort_request(request_ids)  # ids already finished are ignored
+        with self.lock:
+            self.to_abort += request_ids  # ids already finished are ignored
         self.wake.set()
 
     def _run(self):
         while True:
+            with self.lock:
+                aborts, self.to_abort = self.to_abort, []
+            self.llm.abort_request(aborts)
             if not self.llm.has_unfinished():
                 self.wake.wait()
                 self.wake.clear()
@@ -84,9 +94,8 @@ class EngineLoop:
 class Outbox:
     """Where the engine puts one prompt's events (LLM.add_request's outbox), from its thread into the HTTP request's
     asyncio queue, with the prompt's index."""
-    def __init__(self, engine, queue, index):
-        self.engine, self.queue, self.index, self.request_id = engine, queue, index, None
-        self.loop = asyncio.get_running_loop()
+    def __init__(self, engine, queue, index, loop):
+        self.engine, self.queue, self.index, self.request_id, self.loop = engine, queue, index, None, loop
         with engine.lock:
             engine.live.add(self)
 
@@ -183,7 +192,7 @@ def make_app(llm, model_name):
             return error_response("the request body is not valid JSON")
         try:
             prompts, params, stream = parse_completion(body, model_name)
-            ids, queue = engine.add(prompts, params)
+            ids, queue = await engine.add(prompts, params)
         except BadRequest as e:
             return error_response(str(e), e.param, e.status)
         except ValueError as e:  # a prompt the engine refuses: too long, too big for the KV cache
@@ -198,11 +207,16 @@ def make_app(llm, model_name):
     return app
 
 
-async def next_event(queue):
-    event = await queue.get()
-    if isinstance(event, Exception):
-        raise event
-    return event
+async def next_events(queue):
+    """Every event queued by now, at least one: a graph run brings up to 16 tokens of each sequence at once, and
+    one write for them all costs the event loop far less than a write each."""
+    events = [await queue.get()]
+    while not queue.empty():
+        events.append(queue.get_nowait())
+    for event in events:
+        if isinstance(event, Exception):
+            raise event
+    return events
 
 
 async def stream_events(engine, ids, queue, n, head):
@@ -213,15 +227,18 @@ async def stream_events(engine, ids, queue, n, head):
     try:
         remaining = len(ids)
         while remaining:
-            i, sample, delta, out = await next_event(queue)
-            if delta:
-                yield chunk(i * n + sample, delta, None)
-            if out is not None:
-                remaining -= 1
-                if out.error:
-                    yield "data: " + json.dumps({"error": {"message": out.error, "type": "server_error"}}) + "\n\n"
-                for c in out.outputs:
-                    yield chunk(i * n + c.index, "", c.finish_reason)
+            text = []
+            for i, sample, delta, out in await next_events(queue):
+                if delta:
+                    text.append(chunk(i * n + sample, delta, None))
+                if out is not None:
+                    remaining -= 1
+                    if out.error:
+                        text.append("data: " + json.dumps({"error": {"message": out.error, "type": "server_error"}})
+                                    + "\n\n")
+                    text += [chunk(i * n + c.index, "", c.finish_reason) for c in out.outputs]
+            if text:
+                yield "".join(text)
         yield "data: [DONE]\n\n"
     finally:
         engine.abort(ids)
@@ -233,9 +250,8 @@ async def whole_response(engine, request, ids, queue, params, head):
     try:
         while len(outs) < len(ids):
             try:
-                i, _, _, out = await asyncio.wait_for(next_event(queue), timeout=0.25)
-                if out is not None:
-                    outs[i] = out
+                outs.update((i, out) for i, _, _, out in await asyncio.wait_for(next_events(queue), timeout=0.25)
+                            if out is not None)
             except asyncio.TimeoutError:
                 pass
             if time.monotonic() - checked > 0.25:  # events may come all the time: look at the socket every 0.25 s
