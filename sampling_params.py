@@ -1,0 +1,73 @@
+"""SamplingParams: what a request asks of the sampler and when it stops, with vLLM's names, defaults and meanings.
+Every field is checked when it is made: a bad one raises ValueError naming the field and what it must be."""
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1  # samples of the prompt: they share its KV blocks, and each draws its own tokens
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 is greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 (or -1, vLLM's spelling) is off, as is any k >= the vocabulary
+    min_p: float = 0.0  # keep the tokens at least min_p times as likely as the most likely one (0 is off)
+    seed: int = None  # fixes the random draws, whatever else is in the batch (None: one from the engine's seed)
+    stop: list = None  # strings that end the request (not included in the text)
+    stop_token_ids: list = None  # token ids that end the request, as EOS does
+    include_stop_str_in_output: bool = False  # keep the stop string, or the stop token's text
+    ignore_eos: bool = False
+    min_tokens: int = 0  # EOS and stop_token_ids cannot be sampled, nor stop strings end it, before this many
+    repetition_penalty: float = 1.0  # > 1 discourages every token seen (prompt and output): logit / r if > 0, else * r
+    presence_penalty: float = 0.0  # subtracted from the logit of each token already in the output
+    frequency_penalty: float = 0.0  # subtracted once per time a token is already in the output
+    logprobs: int = None  # k: the chosen token's log-probability and the k most likely, at every token
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop_token_ids = [] if self.stop_token_ids is None else self.stop_token_ids
+        stop_ok = isinstance(self.stop, list) and all(isinstance(x, str) and x for x in self.stop)
+        ids_ok = isinstance(self.stop_token_ids, (list, tuple)) and all(is_int(t, 0) for t in self.stop_token_ids)
+        refuse_bad("SamplingParams", (
+            ("n", self.n, is_int(self.n, 1, 256), "an integer in [1, 256]"),
+            ("max_tokens", self.max_tokens, is_int(self.max_tokens, 1), "an integer >= 1"),
+            ("temperature", self.temperature, is_number(self.temperature) and self.temperature >= 0,
+             "a number >= 0 (0 is greedy)"),
+            ("top_p", self.top_p, is_number(self.top_p) and 0 < self.top_p <= 1, "a number in (0, 1]"),
+            ("top_k", self.top_k, is_int(self.top_k, -1), "an integer >= -1 (0 or -1 is off)"),
+            ("min_p", self.min_p, is_number(self.min_p) and 0 <= self.min_p <= 1, "a number in [0, 1] (0 is off)"),
+            ("seed", self.seed, self.seed is None or is_int(self.seed, 0, 2 ** 64 - 1),
+             "None or an integer in [0, 2**64)"),
+            ("stop", self.stop, self.stop is None or stop_ok, "None, a string, or a list of non-empty strings"),
+            ("stop_token_ids", self.stop_token_ids, ids_ok, "None or a list of token ids"),
+            ("include_stop_str_in_output", self.include_stop_str_in_output,
+             isinstance(self.include_stop_str_in_output, bool), "True or False"),
+            ("ignore_eos", self.ignore_eos, isinstance(self.ignore_eos, bool), "True or False"),
+            ("min_tokens", self.min_tokens, is_int(self.min_tokens, 0, self.max_tokens),
+             "an integer in [0, max_tokens]"),
+            ("repetition_penalty", self.repetition_penalty,
+             is_number(self.repetition_penalty) and self.repetition_penalty > 0, "a number > 0 (1 is off)"),
+            ("presence_penalty", self.presence_penalty,
+             is_number(self.presence_penalty) and -2 <= self.presence_penalty <= 2, "a number in [-2, 2]"),
+            ("frequency_penalty", self.frequency_penalty,
+             is_number(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2, "a number in [-2, 2]"),
+            ("logprobs", self.logprobs, self.logprobs is None or is_int(self.logprobs, 0, 20),
+             "None or an integer in [0, 20]")))
+
+
+def is_int(v, lo, hi=math.inf):
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool) and lo <= v <= hi
+
+
+def is_number(v):  # finite
+    return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def refuse_bad(owner, checks):
+    """ValueError naming the first of the (name, value, ok, rule) checks that is not ok, and what it must be."""
+    for name, value, ok, rule in checks:
+        if not ok:
+            raise ValueError(f"{owner}.{name}={value!r}: must be {rule}")
