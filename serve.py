@@ -75,12 +75,12 @@ class EngineLoop:
         while True:
             with self.lock:
                 aborts, self.to_abort = self.to_abort, []
-            self.llm.abort_request(aborts)
-            if not self.llm.has_unfinished():
-                self.wake.wait()
-                self.wake.clear()
-                continue
             try:
+                self.llm.abort_request(aborts)
+                if not self.llm.has_unfinished():
+                    self.wake.wait()
+                    self.wake.clear()
+                    continue
                 self.llm.step()  # the events go to the requests' outboxes
             except Exception as e:  # an error no request can be blamed for (scheduling): every request ends with it
                 log(f"an engine step failed: {type(e).__name__}: {e}; every request in it ends")
