@@ -175,6 +175,7 @@ def load_weights(path, config):
             for k in st.keys():
                 tensors[k.removeprefix("transformer.")] = t = st.get_tensor(k)
                 bar.update(t.nbytes)
+            bar.update(size - bar.n)  # the header: the bar ends full
     except Exception as e:
         raise ValueError(f"{f} cannot be read as safetensors ({e}): the file is truncated or corrupt; "
                          "delete it and download or save it again") from None
