@@ -67,23 +67,25 @@ def repeated(llm, prompts, max_tokens, repeats):
     return float(np.median(runs)), min(runs), max(runs)
 
 
-def a_against_b(run_a, run_b, repeats):
-    """Two ways of the same work (tokens/s each), alternating so that drifts hit both: medians and their ratio."""
-    runs = ([], [])
-    for _ in range(repeats):
-        for times, run in zip(runs, (run_a, run_b)):
-            times.append(run())
-    a, b = map(np.median, runs)
-    return f"{a:,.1f} against {b:,.1f} ({a / b:.1%})"
+def a_against_b(run_a, run_b, workloads, repeats):
+    """Two ways of the same work, run_x(prompts, max_tokens) -> tokens/s, alternating so that drifts hit both, on
+    each (label, prompts, max_tokens) of workloads: medians and their ratio."""
+    results = []
+    for label, prompts, max_tokens in workloads:
+        runs = ([], [])
+        for _ in range(repeats):
+            for times, run in zip(runs, (run_a, run_b)):
+                times.append(run(prompts, max_tokens))
+        a, b = map(np.median, runs)
+        results.append(f"{label} {a:,.1f} against {b:,.1f} ({a / b:.1%})")
+    return "; ".join(results)
 
 
 def batch_invariance_cost(path, device, workloads, repeats, **engine):
-    """batch_invariant on against off, alternating, one engine each: outputs bitwise the same in any batch, at this
-    price. workloads: (label, prompts, max_tokens) each."""
+    """batch_invariant on against off, one engine each: outputs bitwise the same in any batch, at this price."""
     llms = {on: LLM(str(path), device=device, batch_invariant=on, **engine) for on in (True, False)}
-    return "; ".join(f"{label} " + a_against_b(*(lambda on=on: time_generate(llms[on], prompts, n)[0]
-                                                 for on in (True, False)), repeats)
-                     for label, prompts, n in workloads)
+    return a_against_b(*(lambda prompts, n, on=on: time_generate(llms[on], prompts, n)[0] for on in (True, False)),
+                       workloads, repeats)
 
 
 def stage(what):
@@ -155,13 +157,6 @@ def torch_graph_decode(size, batch, context, steps=200):
     del k_cache, v_cache
     torch.cuda.empty_cache()
     return start.elapsed_time(end) / steps
-
-
-def sampling_cost(llm, one, prompts, lens, rounds=3):
-    """Sampled against greedy, single stream and offline, alternating in one engine: medians and their ratio."""
-    return "; ".join(f"{work} " + a_against_b(*(lambda p=p: time_generate(llm, work_prompts, n, p)[0]
-                                                for p in (sampled, greedy)), rounds)
-                     for work, work_prompts, n in (("single stream", one, 256), ("offline", prompts, lens)))
 
 
 def server_load(path, offline, clients=64, prompt_len=64, max_tokens=128, **engine_args):
@@ -255,10 +250,12 @@ def bench_gpu(path, repeats):
                      anchor=256 * 1e3 / torch_graph_decode("gpt2", 256, 320), anchor_name="PyTorch graph B=256 ctx 320",
                      target=100000))
     lessons["server: 64 streaming clients, prompt 64 -> 128"] = server_load(path, offline, gpu_memory_utilization=0.3)
-    lessons["sampling (T 0.8, top-k 50, top-p 0.95) against greedy, tok/s"] = sampling_cost(llm, one, prompts, lens)
+    workloads = [("single stream", one, 256), ("offline", prompts, lens)]
+    lessons["sampling (T 0.8, top-k 50, top-p 0.95) against greedy, tok/s"] = a_against_b(
+        lambda p, n: time_generate(llm, p, n, sampled)[0], lambda p, n: time_generate(llm, p, n)[0], workloads, 3)
     lessons["batch-invariant mode (one matmul tile and K split for every batch, every query in 64-key attention "
-            "tiles), on against off, tok/s"] = batch_invariance_cost(
-        path, "cuda", [("single stream", one, 256), ("offline", prompts, lens)], repeats, num_kv_tokens=300_000)
+            "tiles), on against off, tok/s"] = batch_invariance_cost(path, "cuda", workloads, repeats,
+                                                                     num_kv_tokens=300_000)
     llm.scheduler.max_num_seqs = 64
     cont, t0 = time_generate(llm, prompts, lens)[0], time.perf_counter()  # continuous, then static: 64 at a time
     for i in range(0, 256, 64):

@@ -281,9 +281,12 @@ class CudaBackend:
     def zeros(self, shape, dtype=None):
         return cp.zeros(shape, dtype=self.dtype if dtype is None else dtype)
 
-    def memory_info(self):
+    def kv_cache_budget(self, fraction):
+        """Bytes for the KV cache: the GPU's memory up to `fraction` of it, less what is in use (the weights, other
+        processes) and 1 GiB for activations, logits and CUDA graphs."""
         cp.get_default_memory_pool().free_all_blocks()  # blocks CuPy caches for reuse count as free here
-        return cp.cuda.runtime.memGetInfo()  # (free, total) bytes
+        free, total = cp.cuda.runtime.memGetInfo()
+        return total * fraction - (total - free) - 2 ** 30
 
     def _contiguous(self, a, dtype=None):
         """a as a C-contiguous, 16-byte-aligned array of `dtype` (default: ours), untouched if it is one already."""
@@ -358,20 +361,27 @@ class CudaBackend:
             return y
         bias = 0 if bias is None else self._contiguous(bias)
         residual = None if residual is None else self._contiguous(residual)
-        step = plan.rows_per_launch or M
-        for r in range(0, M, step):  # one launch, but for batch-invariant plans (their split-K scratch holds `step`)
-            m, rows = min(step, M - r), slice(r, r + step)
-            args = (x[rows], w, bias, 0 if residual is None else residual[rows], y[rows], np.int32(m), np.int32(N),
-                    np.int32(K), np.int32(bool(gelu)))
-            if plan.kernel.startswith("matmul_gemv"):
-                ln_w, ln_b, eps = (0, 0, 0.0) if ln is None else (self._contiguous(ln[0]), self._contiguous(ln[1]),
-                                                                  ln[2])
-                args += (np.int32(f32), ln_w, ln_b, np.float32(eps))
-            elif plan.kernel != "matmul_f32":
-                args += (np.int32(f32), np.int32(plan.k_per_split), self._partial, self._counters)
-            grid = plan.grid if m == M else (plan.grid[0], cdiv(m, 64), plan.grid[2])  # chunked plans: 64-row tiles
-            self.launch(plan.kernel, grid, (plan.block,), args, shared_mem=plan.shared_mem)
+        step = plan.rows_per_launch
+        if not step or step >= M:
+            self._matmul_launch(plan, plan.grid, x, w, bias, residual, y, gelu, f32, ln)
+        else:  # batch-invariant plans: M in launches whose split-K partial sums fit the scratch (64-row tiles)
+            for r in range(0, M, step):
+                m = min(step, M - r)
+                self._matmul_launch(plan, (plan.grid[0], cdiv(m, 64), plan.grid[2]), x[r:r + m], w, bias,
+                                    None if residual is None else residual[r:r + m], y[r:r + m], gelu, f32, ln)
         return y if out_dtype is None else y.astype(out_dtype, copy=False)
+
+    def _matmul_launch(self, plan, grid, x, w, bias, residual, y, gelu, f32, ln):
+        """One launch of plan's kernel over these rows of x, y (and residual) on this grid."""
+        M, K = x.shape
+        args = (x, w, bias, 0 if residual is None else residual, y, np.int32(M), np.int32(len(w)), np.int32(K),
+                np.int32(bool(gelu)))
+        if plan.kernel.startswith("matmul_gemv"):
+            ln_w, ln_b, eps = (0, 0, 0.0) if ln is None else (self._contiguous(ln[0]), self._contiguous(ln[1]), ln[2])
+            args += (np.int32(f32), ln_w, ln_b, np.float32(eps))
+        elif plan.kernel != "matmul_f32":
+            args += (np.int32(f32), np.int32(plan.k_per_split), self._partial, self._counters)
+        self.launch(plan.kernel, grid, (plan.block,), args, shared_mem=plan.shared_mem)
 
     def cache_write(self, k, v, k_cache, v_cache, slot_mapping):
         (k, ks), (v, vs) = self._heads(k), self._heads(v)
@@ -402,23 +412,24 @@ class CudaBackend:
                         (q, np.int32(qs), k_cache, v_cache) + common + (batch.cu_seqlens_q, batch.context_lens,
                                                                         batch.tile_seq, batch.tile_q0, np.int32(H),
                                                                         scale_log2, out))
-        if batch.n_rows and self.batch_invariant:  # fp32: splits fixed by each row's length alone, the same in any batch
-            per_launch = self._counters.size // H  # rows whose splits the arrival counters can count at once
-            for r in range(0, batch.n_rows, per_launch):
-                rows = slice(r, r + per_launch)
-                self._attention_rows(q, qs, new_kv, k_cache, v_cache, common, batch.row_q[rows], batch.row_seq[rows],
-                                     batch.row_len[rows], H, scale_log2, out, INVARIANT_SPLITS)
-        elif batch.n_rows:  # flash-decoding: ~4 blocks per SM, >= 32 keys and <= 32 splits (the merge keeps their LSEs)
-            nsplit = max(1, min(cdiv(4 * self.num_sms, batch.n_rows * H), cdiv(batch.max_row_len, 32), 32))
-            self._attention_rows(q, qs, new_kv, k_cache, v_cache, common, batch.row_q, batch.row_seq, batch.row_len,
-                                 H, scale_log2, out, nsplit)
+        if batch.n_rows:  # flash-decoding: ~4 blocks per SM, >= 32 keys and <= 32 splits (the merge keeps their LSEs);
+            # batch-invariant (fp32): a fixed count, so a row's splits follow its own length alone
+            nsplit = INVARIANT_SPLITS if self.batch_invariant else \
+                max(1, min(cdiv(4 * self.num_sms, batch.n_rows * H), cdiv(batch.max_row_len, 32), 32))
+            rows = (batch.row_q, batch.row_seq, batch.row_len)
+            per_launch = self._counters.size // H  # rows whose splits the arrival counters count at once
+            if nsplit == 1 or batch.n_rows <= per_launch:
+                self._attention_decode(q, qs, new_kv, k_cache, v_cache, common, *rows, H, scale_log2, out, nsplit)
+            else:  # batch-invariant prefill of many rows: launches of per_launch rows
+                for r in range(0, batch.n_rows, per_launch):
+                    self._attention_decode(q, qs, new_kv, k_cache, v_cache, common,
+                                           *(a[r:r + per_launch] for a in rows), H, scale_log2, out, nsplit)
         return out
 
-    def _attention_rows(self, q, qs, new_kv, k_cache, v_cache, common, row_q, row_seq, row_len, H, scale_log2, out,
-                        nsplit):
+    def _attention_decode(self, q, qs, new_kv, k_cache, v_cache, common, row_q, row_seq, row_len, H, scale_log2, out,
+                          nsplit):
         """attention_decode over these rows, each row's keys in up to nsplit splits of >= 32 keys."""
         n_rows = len(row_q)
-        assert nsplit == 1 or n_rows * H <= self._counters.size
         part_o = cp.empty(n_rows * H * nsplit * 64 if nsplit > 1 else 0, np.float32)
         part_lse = cp.empty(n_rows * H * nsplit if nsplit > 1 else 0, np.float32)
         self.launch(f"attention_decode<{self.t}>", (n_rows, H, nsplit), (128,),

@@ -108,6 +108,9 @@ class NumpyBackend:
     def check_model(self, config):
         pass  # numpy runs any shape
 
+    def kv_cache_budget(self, fraction):
+        return 2 ** 30  # bytes for the KV cache when num_kv_tokens is not given: 1 GiB of host memory
+
     def embed(self, wte, wpe, input_ids, positions):
         return wte[input_ids] + wpe[positions]  # (T, C)
 
@@ -120,12 +123,9 @@ class NumpyBackend:
         """epilogue(layernorm(x) @ w.T), ln: (weight, bias, eps) or None; the epilogue: + bias, GELU, + residual."""
         if ln is not None:
             x = self.layernorm(x, *ln)
-        if self.batch_invariant:  # BLAS blocks the rows by M: a row's sums would depend on the batch, not one by one
-            y = np.empty((len(x), len(w)), np.result_type(x, w))
-            for i, row in enumerate(x):
-                y[i] = row @ w.T
-        else:
-            y = x @ w.T  # (M, K) @ (K, N) -> (M, N)
+        # (M, K) @ (K, N) -> (M, N); batch-invariant as M matmuls of one row: BLAS blocks rows by M, which would let
+        # the batch decide how a row's sums are grouped
+        y = (x[:, None] @ w.T)[:, 0] if self.batch_invariant else x @ w.T
         if bias is not None:
             y += bias
         if gelu:
@@ -410,16 +410,12 @@ class LLM:
         self._stepping, self._aborts_after_step = False, []
 
     def _kv_pool_blocks(self, num_kv_tokens, fraction, max_num_seqs, block_size):
-        """num_kv_tokens, or what fits (on a GPU: the fraction of its memory the weights leave; on the CPU: 1 GiB), but
-        never more than the engine can use: max_num_seqs full contexts are the most alive at once."""
+        """num_kv_tokens, or what fits (the backend's budget: on a GPU, its memory fraction the weights leave), but never
+        more than the engine can use: max_num_seqs full contexts are the most alive at once."""
         c = self.config
         per_token = PagedKVCache.bytes_per_token(c.n_layer, c.n_head, c.head_dim, self.backend.dtype.itemsize)
         if num_kv_tokens is None:
-            if self.backend.name == "cpu":
-                budget = 2 ** 30
-            else:
-                free, total = self.backend.memory_info()
-                budget = total * fraction - (total - free) - 2 ** 30  # 1 GiB for activations, logits and CUDA graphs
+            budget = self.backend.kv_cache_budget(fraction)
             if budget < per_token * c.n_ctx:
                 raise RuntimeError(f"the KV cache would hold only {int(max(budget, 0) // per_token)} tokens, less than "
                                    f"one full context ({c.n_ctx}): raise gpu_memory_utilization, free GPU memory "
