@@ -45,12 +45,11 @@ KERNELS_CU = Path(__file__).with_name("kernels.cu")
 TC_TILES = ((128, 128, 3), (128, 144, 3), (128, 128, 4), (64, 128, 3), (64, 128, 8), (64, 32, 8))  # BM, BN, stages
 TEMPLATES = [f"matmul_tc<{bm},{bn},{s}>" for bm, bn, s in TC_TILES] + ["matmul_gemv<4>", "matmul_gemv<8>"] + [
     f"{k}<{t}>" for t in ("float", "half") for k in ("layernorm", "embed", "cache_write", "attention_decode")]
-PLAIN = ["matmul_f32", "matmul_skinny", "attention_prefill", "penalize", "sample_candidates", "sample_pick",
-         "decode_advance", "take_rows"]
+PLAIN = ["matmul_f32", "matmul_skinny", "attention_prefill", "penalize", "sample_tokens", "decode_advance",
+         "take_rows"]
 GEMV_SMEM = 224 * 1024  # matmul_gemv keeps x in shared memory: K * 2 bytes at most
 SAMPLE_LOGITS_PER_WARP, SAMPLE_CAP = 512, 16  # kernels.cu's sampler: a warp's share of a row, its candidates
-SAMPLE_HEAD_SMEM, SAMPLE_SMEM = 32 * 1024, 220 * 1024  # sample_pick's head; its cache of a row's p, up to V = 56320
-SAMPLE_ROWS = 1024  # rows sampled per pair of launches: the scratch between the two kernels is sized for this many
+SAMPLE_ROWS = 1024  # rows sampled per launch: the scratch between a row's blocks is sized for this many
 
 
 def tc_smem(bm, bn, stages):
@@ -79,7 +78,6 @@ def compile_kernels():
         kernels[f"matmul_tc<{bm},{bn},{stages}>"].max_dynamic_shared_size_bytes = tc_smem(bm, bn, stages)
     for r in (4, 8):
         kernels[f"matmul_gemv<{r}>"].max_dynamic_shared_size_bytes = GEMV_SMEM
-    kernels["sample_pick"].max_dynamic_shared_size_bytes = SAMPLE_SMEM
     return kernels
 
 
@@ -236,7 +234,7 @@ class CudaBackend:
         # split-K scratch, allocated once: a CUDA graph keeps pointers, so nothing it uses may move later
         self._counters = cp.zeros(4096, np.int32)  # split-K and split-context arrival counters (self-resetting)
         self._partial = cp.empty(SPLITK_SCRATCH, np.float32)  # split-K partial sums
-        self._sample_scratch = {}  # V: (WarpSummary bytes, candidates) between the sampler's two kernels
+        self._sample_scratch = {}  # V: (WarpSummary bytes, candidates, arrival counters) between a row's blocks
 
     @property
     def tile_min_q(self):
@@ -246,9 +244,10 @@ class CudaBackend:
         return None if self.dtype == np.float32 else 1 if self.batch_invariant else PREFILL_MIN_Q
 
     def check_model(self, config):
-        if config.head_dim != 64 or config.n_inner % 8:
-            raise ValueError(f"the CUDA kernels are written for head_dim 64 (every GPT-2) and an MLP width that is a "
-                             f"multiple of 8; this model has {config.head_dim} and {config.n_inner}: use device='cpu'")
+        if config.head_dim != 64 or config.n_inner % 8 or config.vocab_size > 65536:
+            raise ValueError(f"the CUDA kernels are written for head_dim 64 (every GPT-2), an MLP width that is a "
+                             f"multiple of 8 and at most 65536 tokens (the sampler's counts); this model has "
+                             f"{config.head_dim}, {config.n_inner} and {config.vocab_size}: use device='cpu'")
 
     def launch(self, name, grid, block, args, shared_mem=0):
         """Launch `name` on the current stream: in capture() with pdl on as a dependent launch, else through CuPy."""
@@ -447,24 +446,22 @@ class CudaBackend:
 
     def sample_device(self, logits, temperature, top_k, top_p, seed, step, min_p):
         """sample() without the copy back: the (R,) int32 token ids on the GPU. A warp per 512 logits of a row reduces
-        them to a summary and <= 16 candidates (sample_candidates), then a block per row picks (sample_pick)."""
+        them to a summary and <= 16 candidates; the row's last block to finish picks (kernels.cu's sample_tokens)."""
         logits = self._contiguous(logits, np.float32)
         R, V = logits.shape
         W = cdiv(V, SAMPLE_LOGITS_PER_WARP)  # warps per row
         if V not in self._sample_scratch:  # kept for good: captured graphs hold its pointers
-            self._sample_scratch[V] = (cp.empty((SAMPLE_ROWS, W, 6), np.int32),
-                                       cp.empty((SAMPLE_ROWS, W, SAMPLE_CAP), np.uint64))
-        summary, candidates = self._sample_scratch[V]
-        tokens, cache = self.empty((R,), np.int32), V * 4 <= SAMPLE_SMEM
+            self._sample_scratch[V] = (cp.empty((SAMPLE_ROWS, W, 7), np.int32),
+                                       cp.empty((SAMPLE_ROWS, W, SAMPLE_CAP), np.uint64),
+                                       cp.zeros(SAMPLE_ROWS, np.int32))
+        scratch, tokens = self._sample_scratch[V], self.empty((R,), np.int32)
         params = [self._contiguous(a, t) for a, t in ((temperature, np.float32), (top_k, np.int32),
                                                       (top_p, np.float32), (min_p, np.float32), (seed, np.uint64),
                                                       (step, np.int32))]
         for r in range(0, R, SAMPLE_ROWS):
             n, rows = min(SAMPLE_ROWS, R - r), slice(r, r + SAMPLE_ROWS)
-            args = (logits[rows], np.int32(V), np.int32(W), *(a[rows] for a in params), summary, candidates)
-            self.launch("sample_candidates", (cdiv(W, 8), n), (256,), args)
-            self.launch("sample_pick", (n,), (1024,), args + (tokens[rows], np.int32(cache)),
-                        shared_mem=max(SAMPLE_HEAD_SMEM, V * 4 * cache))
+            self.launch("sample_tokens", (cdiv(W, 8), n), (256,),
+                        (logits[rows], np.int32(V), np.int32(W), *(a[rows] for a in params), *scratch, tokens[rows]))
         return tokens
 
     def sample(self, logits, temperature, top_k, top_p, seed, step, min_p):

@@ -15,7 +15,7 @@
 //   8. matmul_tc         the tiled tensor-core matmul on wgmma (prefill, decode batches of 9 and more)
 //   9. attention_prefill causal FlashAttention-2 over the paged KV cache, on mma.sync
 //  10. penalize          the logits processors before sampling: repetition, presence, frequency penalties, bans
-//  11. sample_candidates, sample_pick   one token per row: greedy, or an exponential race over the kept tokens
+//  11. sample_tokens     one token per row: greedy, or an exponential race over the kept tokens
 //  12. decode_advance    CUDA-graph helper: the next decode step's inputs, made on the GPU
 //  13. take_rows         CUDA-graph helper: out[i] = src[rows[i]]
 
@@ -937,26 +937,38 @@ extern "C" __global__ void penalize(float* logits, int V, const int* rows, const
 }
 
 // 11. sampling: nanoinfer.sample_row. Greedy takes the row's argmax. Otherwise the exponential race (Gumbel-max): of the
-// kept tokens (top-k, top-p, min-p: thresholds), the one with the largest logit / T + gumbel(key, token), the noise
-// keyed by (seed, step, token) so that nothing else in the batch can move it. The race needs no running sum and the
-// kept set holds the largest logits only, so there is no sort of the row: two kernels.
-// sample_candidates: a warp per 512 logits of a row (32-logit segments dealt out in turn, so the low ids of common
-//   tokens spread over all warps), many blocks per row even at batch 1. It reduces its share to a WarpSummary (max,
-//   sum of exp for top-p, the race's best when nothing is filtered) and hands on its largest logits: all above a
-//   cutoff, at most 16. The cutoff starts just below its 8th-largest lane maximum (>= 8 logits lie above that), raised
-//   by bisection in the rare warp where more than 16 do. Reads 4 bytes a logit; a few FLOPs a logit, ~30 to race it.
-// sample_pick: a block per row. Every logit above the largest cutoff (the "head", ~300 of GPT-2's 50257 on random
-//   logits) is a candidate; with top-k only those at or above the k-th largest warp maximum matter. When the head
-//   holds every kept token (k <= its size; else a top-p mass or the min-p bound inside it: the usual case) it is
-//   ranked in shared memory (an entry's place: how many are larger), and the thresholds come from a prefix sum in that
-//   order. Otherwise the last resort: thresholds by bisection over the whole row's p, cached in shared memory.
-constexpr int SAMPLE_PER_LANE = 16, SAMPLE_RANK = 8, SAMPLE_CAP = 16, SAMPLE_SLOTS = 2;  // slots per sample_pick thread
+// kept tokens (top-k, top-p, min-p: thresholds), the one with the largest logit / T + gumbel(key, token) (race_noise),
+// the noise keyed by (seed, step, token) so that nothing else in the batch can move it. The race needs no running sum
+// and the kept set holds the largest logits only, so nothing is sorted. One kernel, 13 blocks a row even at batch 1:
+// - every warp reduces 512 logits of a row (32-logit segments dealt out in turn, so the low ids of common tokens
+//   spread over all warps) to a WarpSummary (max, min, sum of exp for top-p; with top-k off, the race's best) and
+//   hands on its largest logits: all above a cutoff, at most 16. The cutoff starts just below its 8th-largest lane
+//   maximum (>= 8 logits lie above that), raised by bisection in the rare warp where more than 16 do;
+// - the row's last block to finish (last_to_arrive) picks the token. With top-k off, the race over every token
+//   stands whenever its winner is kept (probability >= top_p): only that is checked. Otherwise every logit above
+//   the largest cutoff (the "head", ~300 of GPT-2's 50257 on random logits; with top-k only those at or above the
+//   k-th largest warp maximum) is a candidate. When the head holds every kept token (the usual case) each entry
+//   counts the entries above it and their mass, which decides top-k and top-p for it, and the kept entries race.
+//   Otherwise (a flat row, a large k) the thresholds come from a radix select over the whole row (three passes
+//   each), and the kept tokens race in one more.
+// Reads 4 bytes a logit once (the pick's passes hit L2); a few FLOPs a logit, ~25 more to race it.
+constexpr int SAMPLE_PER_LANE = 16, SAMPLE_RANK = 8, SAMPLE_CAP = 16;  // a warp's 512 logits; its candidates
+constexpr int SAMPLE_HEAD = 1024, SAMPLE_BINS = 2048;  // the pick's head; the radix select's bins (11-bit digits)
 
-struct WarpSummary {  // one warp's share of a row, from sample_candidates to sample_pick
-    float max; int argmax;  // the largest logit and its first index
-    float sumexp;           // sum of exp((logit - max) / T)
-    unsigned cutoff;        // every logit whose order_key is above it is among the warp's candidates
-    float race; int race_at;  // rows with nothing filtered: the best logit / T + noise, and its token
+struct WarpSummary {  // one warp's share of a row, for the row's last block
+    float max; int argmax;    // the largest logit and its first index
+    float min;                // the least finite logit
+    float sumexp;             // sum of exp((logit - max) / T), for top-p alone
+    unsigned cutoff;          // every logit whose order_key is above it is among the warp's candidates
+    float race; int race_at;  // top-k off: the best race score (race_noise's units), and its token
+};
+
+struct Filters {  // one row's sampling parameters
+    float T, inv_t, top_p, min_p;
+    float race_scale;         // log2(e) / T: a logit's share of its race score (race_noise)
+    int top_k;                // 0: off (also for k >= V)
+    unsigned long long key;   // the race's noise key: splitmix64(seed, step)
+    bool races_all;           // nothing filtered: every token races
 };
 
 __device__ __forceinline__ unsigned order_key(float x) {  // unsigned integers that order as the floats do
@@ -971,11 +983,15 @@ __device__ __forceinline__ unsigned long long sample_key(unsigned long long seed
     z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
     return z ^ (z >> 31);
 }
-__device__ __forceinline__ float gumbel(unsigned long long key, int token) {  // murmur3's finalizer of (token, key)
+// the race's noise in base 2: -log2(-log2(u)) = (gumbel + ln ln 2) / ln 2, gumbel = -ln(-ln(u)). A token's score,
+// logit / T + gumbel, scaled by 1 / ln 2 and shifted, is logit * log2(e) / T + this: the same race, fewer instructions
+__device__ __forceinline__ float race_noise(unsigned long long key, int token) {  // u from murmur3's finalizer
     unsigned h = (unsigned)token * 0x9E3779B1u + (unsigned)key;
     h ^= (unsigned)(key >> 32);
     h ^= h >> 16; h *= 0x85EBCA6Bu; h ^= h >> 13; h *= 0xC2B2AE35u; h ^= h >> 16;
-    return -__logf(-__logf(((float)(h >> 9) + 0.5f) * (1.0f / 8388608.0f)));  // u in (0, 1), exactly
+    // u = (h >> 9 + 0.5) / 2^23 in (0, 1): 1.mantissa - (1 - 2^-24) is exact, and cheaper than an int-to-float
+    const float u = __uint_as_float(0x3f800000u | (h >> 9)) - 0.99999994f;
+    return -__log2f(-__log2f(u));
 }
 
 __device__ __forceinline__ void argmax_merge(float& v, int& i, float v2, int i2) {  // ties: the first index
@@ -1004,7 +1020,15 @@ template <typename T> __device__ T block_sum(T v) {  // the same order in every 
     for (int w = 0; w < (int)(blockDim.x >> 5); w++) total += scratch[w];
     return total;
 }
-
+__device__ float block_min(float v) {
+    __shared__ float scratch[32];
+    for (int off = 16; off > 0; off >>= 1) v = fminf(v, __shfl_xor_sync(FULL_MASK, v, off));
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
+    __syncthreads();
+    for (int w = 0; w < (int)(blockDim.x >> 5); w++) v = fminf(v, scratch[w]);
+    return v;
+}
 template <typename T> __device__ T block_scan(T v, T& total) {  // the inclusive prefix sum over threads, and the sum
     __shared__ T scratch[32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
@@ -1016,61 +1040,51 @@ template <typename T> __device__ T block_scan(T v, T& total) {  // the inclusive
     for (int w = 0; w < warps; w++) { if (w < warp) v += scratch[w]; total += scratch[w]; }
     return v;
 }
-__device__ int block_min(int v) {
-    __shared__ int least;
-    __syncthreads();  // a previous call's result may still be read
-    if (threadIdx.x == 0) least = v;
-    __syncthreads();
-    v = __reduce_min_sync(FULL_MASK, v);
-    if ((threadIdx.x & 31) == 0) atomicMin(&least, v);
-    __syncthreads();
-    return least;
-}
 
-__device__ __forceinline__ bool races_all(int V, int k, float top_p, float min_p) {  // nothing filtered
-    return (k <= 0 || k >= V) && top_p >= 1.f && min_p <= 0.f;
-}
+// p as an integer, in units of 2^-31: integer sums are the same in any order, so the thresholds do not depend on
+// which block finished first (fp32 atomics would)
+__device__ __forceinline__ unsigned long long fixed_p(float p) { return (unsigned)(p * 2147483648.f); }
 
-extern "C" __global__ void __launch_bounds__(256) sample_candidates(
-    const float* logits, int V, int W, const float* temperature, const int* top_k, const float* top_p,
-    const float* min_p, const unsigned long long* seed, const int* step, WarpSummary* summary,
-    unsigned long long* candidates) {
-    wait_for_inputs();
-    const int row = blockIdx.y, lane = threadIdx.x & 31, w = blockIdx.x * 8 + (threadIdx.x >> 5);
-    if (w >= W) return;
-    const float* x = logits + (long)row * V;
+// one warp's 512 logits of a row (v: this lane's) -> its WarpSummary and candidates (order key << 32 | token; 0: empty)
+__device__ void summarize_warp(const float (&v)[SAMPLE_PER_LANE], int V, int W, int w, const Filters& f,
+                               WarpSummary* summary, unsigned long long* out) {
+    const int lane = threadIdx.x & 31;
     auto index = [&](int j) { return (w + j * W) * 32 + lane; };  // this lane's j-th logit
-    float v[SAMPLE_PER_LANE], lane_max = NEG_INF;
+    float lane_max = NEG_INF;
     int lane_at = V;
-#pragma unroll
-    for (int j = 0; j < SAMPLE_PER_LANE; j++) v[j] = index(j) < V ? x[index(j)] : NEG_INF;
 #pragma unroll
     for (int j = 0; j < SAMPLE_PER_LANE; j++)
         if (v[j] > lane_max) { lane_max = v[j]; lane_at = index(j); }
     float m = lane_max;
     int at = lane_at;
     warp_argmax(m, at);
-    WarpSummary s = {m, at, 0.f, 0u, NEG_INF, V};
-    const float T = temperature[row], inv_t = 1.f / T;
-    const int k = top_k[row] < V ? top_k[row] : 0;
-    if (T > 0.f && races_all(V, k, top_p[row], min_p[row])) {  // nothing filtered: race every logit here
-        const unsigned long long key = sample_key(seed[row], step[row]);
+    WarpSummary s = {m, at, -NEG_INF, 0.f, 0u, NEG_INF, V};
+    if (f.T > 0.f && f.top_k == 0) {  // race every logit here: the answer when nothing is filtered, else a first try
         float best = NEG_INF;
         int best_at = V;
 #pragma unroll
         for (int j = 0; j < SAMPLE_PER_LANE; j++)
-            if (index(j) < V) argmax_merge(best, best_at, v[j] * inv_t + gumbel(key, index(j)), index(j));
+            if (index(j) < V) {  // a lane's indices grow with j: ties keep the first
+                const float score = v[j] * f.race_scale + race_noise(f.key, index(j));
+                if (score > best) { best = score; best_at = index(j); }
+            }
         warp_argmax(best, best_at);
         s.race = best;
         s.race_at = best_at;
-    } else if (T > 0.f) {
-        if (k <= 0 && top_p[row] < 1.f) {  // top-p alone needs the row's mass
-            float sum = 0.f;  // __expf: masses place top-p's boundary only to within rounding anyway
+    }
+    if (f.T > 0.f && !f.races_all) {
+        float least = -NEG_INF, sum = 0.f;  // __expf: masses place top-p's boundary only to within rounding anyway
 #pragma unroll
-            for (int j = 0; j < SAMPLE_PER_LANE; j++) sum += m == NEG_INF ? 0.f : __expf((v[j] - m) * inv_t);
-            for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(FULL_MASK, sum, off);
-            s.sumexp = sum;
+        for (int j = 0; j < SAMPLE_PER_LANE; j++) {
+            if (v[j] != NEG_INF) least = fminf(least, v[j]);
+            if (f.top_k == 0 && f.top_p < 1.f) sum += m == NEG_INF ? 0.f : __expf((v[j] - m) * f.inv_t);
         }
+        for (int off = 16; off > 0; off >>= 1) {
+            least = fminf(least, __shfl_xor_sync(FULL_MASK, least, off));
+            sum += __shfl_xor_sync(FULL_MASK, sum, off);
+        }
+        s.min = least;
+        s.sumexp = sum;
         float sorted = lane_max;  // the lane maxima, sorted descending across the warp (bitonic)
         for (int kk = 2; kk <= 32; kk <<= 1)
             for (int j = kk >> 1; j > 0; j >>= 1) {
@@ -1101,188 +1115,273 @@ extern "C" __global__ void __launch_bounds__(256) sample_candidates(
         s.cutoff = cut;
         const int count = __shfl_sync(FULL_MASK, pos, 31);
         pos -= mine;
-        unsigned long long* out = candidates + ((long)row * W + w) * SAMPLE_CAP;
         if (count <= lane && lane < SAMPLE_CAP) out[lane] = 0ull;  // an empty slot
 #pragma unroll
         for (int j = 0; j < SAMPLE_PER_LANE; j++)
             if (order_key(v[j]) > cut) out[pos++] = (unsigned long long)order_key(v[j]) << 32 | (unsigned)index(j);
     }
-    if (lane == 0) summary[(long)row * W + w] = s;
+    if (lane == 0) *summary = s;
 }
 
-// sample_pick's last resort, when the kept set reaches below the head (a flat row, a large k): the least kept p over
-// the whole row, found by bisection on p's float bits (p >= 0 orders like its bits): top-k's k-th largest p, then
-// top-p's threshold within the top-k set, then min-p. About 30 passes each for top-k and top-p over the row's p,
-// which P(i) reads from shared memory when the row fits (V <= ~56K), else computes from the logits again.
-template <typename Prob> __device__ float row_threshold(int V, Prob P, int k, float tp, float mp) {
-    unsigned lo = 0u;
-    if (k > 0) {  // the largest t with count(p >= t) >= k
-        unsigned hi = 0x3f800000u;  // 1.0f
-        while (lo < hi) {
-            const unsigned mid = lo + (hi - lo + 1) / 2;
-            int c = 0;
-#pragma unroll 8  // loads in flight
-            for (int i = threadIdx.x; i < V; i += blockDim.x) c += P(i) >= __uint_as_float(mid);
-            if (block_sum(c) >= k) lo = mid; else hi = mid - 1;
-        }
-    }
-    if (tp < 1.f) {  // the largest t with mass(p >= t) >= top_p * the top-k set's mass
-        auto mass_above = [&](float t) {
-            float s = 0.f;  // ~50 values per thread: fp32 is enough, fp64 across threads
+// fn(logit, index) for every logit of a row, by the whole block: a pass of the row's last block, which it read a moment
+// ago (L2). 16-byte loads, eight in flight a thread: one block alone must keep ~32 KB on the way to stream a row.
+template <typename Fn> __device__ void for_each_logit(const float* x, int V, Fn fn) {
+    const int head = min(V, (int)((16 - ((size_t)x & 15)) & 15) / 4), n4 = (V - head) / 4;  // floats before 16 B
+    if ((int)threadIdx.x < head) fn(x[threadIdx.x], threadIdx.x);
+    const float4* x4 = reinterpret_cast<const float4*>(x + head);
 #pragma unroll 8
-            for (int i = threadIdx.x; i < V; i += blockDim.x) { const float p = P(i); s += p >= t ? p : 0.f; }
-            return block_sum((double)s);
-        };
-        const double target = (double)tp * mass_above(__uint_as_float(lo));
-        unsigned hi = 0x3f800000u;
-        while (lo < hi) {
-            const unsigned mid = lo + (hi - lo + 1) / 2;
-            if (mass_above(__uint_as_float(mid)) >= target) lo = mid; else hi = mid - 1;
-        }
+    for (int i = threadIdx.x; i < n4; i += blockDim.x) {
+        const float4 q = x4[i];
+        const int at = head + 4 * i;
+        fn(q.x, at); fn(q.y, at + 1); fn(q.z, at + 2); fn(q.w, at + 3);
     }
-    return fmaxf(__uint_as_float(lo), mp);
+    const int tail = head + 4 * n4 + threadIdx.x;
+    if (tail < V) fn(x[tail], tail);
 }
 
-// sorted[place] = e for each of the n entries e of head (unique), its place being how many entries are larger; this
-// thread ranks entries tid + q * blockDim.x, all in one pass over head (two entries per 16-byte load)
-__device__ void rank_into(const unsigned long long* head, int n, unsigned long long* sorted) {
-    unsigned long long e[SAMPLE_SLOTS];
-    int place[SAMPLE_SLOTS];
-#pragma unroll
-    for (int q = 0; q < SAMPLE_SLOTS; q++) {
-        const int i = threadIdx.x + q * blockDim.x;
-        e[q] = i < n ? head[i] : ~0ull;
-        place[q] = 0;
+// The last resort's radix select, over q(logit): the logit's place below the row's max on a 32-bit scale spanning
+// [min, max] (linear in the logit, so the first digit's bins spread the row; float exponents would crowd it). The
+// least t with weight(q <= t) >= target(total weight), over the tokens with q <= limit: three passes of one 11-bit
+// digit each, a histogram in shared memory and a prefix sum over it.
+template <typename Q, typename Weight, typename Target>
+__device__ unsigned radix_select(const float* x, int V, Q q, unsigned limit, Weight weight, Target target_of,
+                                 unsigned* low, unsigned* high) {  // a bin's weight: high << 16 + low
+    __shared__ unsigned chosen;
+    __shared__ unsigned long long below;
+    const int tid = threadIdx.x, nt = blockDim.x, per = SAMPLE_BINS / nt;
+    unsigned prefix = 0u, decided = 0u;  // the digits of t found so far, and their bits
+    unsigned long long target = 0;
+    for (int digit = 0; digit < 3; digit++) {
+        const int shift = max(0, 21 - 11 * digit);  // bits 31-21, 20-10, then 10-0 (bit 10 known by then)
+        for (int b = tid; b < SAMPLE_BINS; b += nt) low[b] = high[b] = 0u;
+        if (tid == 0) { chosen = SAMPLE_BINS - 1; below = 0; }
+        __syncthreads();
+        for_each_logit(x, V, [&](float l, int) {
+            const unsigned qi = q(l);
+            if (qi <= limit && (qi & decided) == prefix) {  // a weight < 2^32 as two 16-bit halves: 32-bit
+                const unsigned b = (qi >> shift) & (SAMPLE_BINS - 1), wt = weight(l);  // adds that return nothing
+                atomicAdd(&low[b], wt & 0xffffu);  // (64-bit shared atomics are a CAS loop), and V < 2^16 of each
+                if (wt >> 16) atomicAdd(&high[b], wt >> 16);  // half cannot overflow 32 bits
+            }
+        });
+        __syncthreads();
+        unsigned long long mine = 0, total;  // this thread's bins: [tid * per, tid * per + per)
+        auto bin = [&](int b) { return ((unsigned long long)high[b] << 16) + low[b]; };
+        for (int b = tid * per; b < tid * per + per; b++) mine += bin(b);
+        unsigned long long run = block_scan(mine, total) - mine;
+        if (decided == 0u) target = max(1ull, target_of(total));
+        if (run < target && target <= run + mine)
+            for (int b = tid * per; b < tid * per + per; b++) {
+                if (run + bin(b) >= target) { chosen = b; below = run; break; }
+                run += bin(b);
+            }
+        __syncthreads();
+        prefix |= chosen << shift;
+        decided |= (SAMPLE_BINS - 1) << shift;
+        target -= below;
+        __syncthreads();  // chosen and below are read before the next digit writes them
     }
-    const ulonglong2* pairs = reinterpret_cast<const ulonglong2*>(head);
-#pragma unroll 4
-    for (int j = 0; j < n / 2; j++) {
-        const ulonglong2 h = pairs[j];
-#pragma unroll
-        for (int q = 0; q < SAMPLE_SLOTS; q++) place[q] += (h.x > e[q]) + (h.y > e[q]);
-    }
-#pragma unroll
-    for (int q = 0; q < SAMPLE_SLOTS; q++) {
-        if (n & 1) place[q] += head[n - 1] > e[q];
-        if (threadIdx.x + q * blockDim.x < n) sorted[place[q]] = e[q];
-    }
+    return prefix;
 }
 
-extern "C" __global__ void __launch_bounds__(1024, 1) sample_pick(
-    const float* logits, int V, int W, const float* temperature, const int* top_k, const float* top_p,
-    const float* min_p, const unsigned long long* seed, const int* step, const WarpSummary* summary,
-    const unsigned long long* candidates, int* tokens, int cache_p) {
-    wait_for_inputs();
-    extern __shared__ __align__(16) unsigned long long dynamic_smem[];  // the head; in the last resort, the row's p
-    unsigned long long *head = dynamic_smem, *sorted = dynamic_smem + SAMPLE_SLOTS * 1024;
-    __shared__ unsigned bound;
-    const int row = blockIdx.x, tid = threadIdx.x, nt = blockDim.x;
-    const WarpSummary* ws = summary + (long)row * W;
-    const float* x = logits + (long)row * V;
-    const float T = temperature[row];
-    const bool fits = W * SAMPLE_CAP <= SAMPLE_SLOTS * nt;
-    unsigned long long c[SAMPLE_SLOTS];  // candidate slots tid + j * nt: (order key, token), 0 if empty
-#pragma unroll
-    for (int j = 0; j < SAMPLE_SLOTS; j++)
-        c[j] = T > 0.f && fits && j * nt + tid < W * SAMPLE_CAP
-             ? candidates[(long)row * W * SAMPLE_CAP + j * nt + tid] : 0ull;
-    float m = NEG_INF;  // the row's max and its first index: greedy's answer, and the softmax shift
-    int at = V;
-    if (tid == 0) bound = 0u;
+// the row's last block: the token, from the warps' summaries and candidates (see the section's head)
+__device__ int pick_token(const float* x, int V, int W, const Filters& f, const WarpSummary* ws,
+                          const unsigned long long* candidates) {
+    __shared__ __align__(16) unsigned long long smem[2 * SAMPLE_HEAD];  // the head's keys and masses, or radix bins
+    __shared__ float maxima[256];                                       // the warps' maxima, for top-k's floor
+    __shared__ unsigned bound, kth_max;
+    __shared__ int n_head;
+    const int tid = threadIdx.x, nt = blockDim.x, k = f.top_k;
+    float m = NEG_INF, r = NEG_INF;  // the row's max and its first index; the race's best so far and its token
+    int at = V, r_at = V;
+    if (tid == 0) { bound = 0u; kth_max = ~0u; n_head = 0; }
     __syncthreads();
-    for (int w = tid; w < W; w += nt) { argmax_merge(m, at, ws[w].max, ws[w].argmax); atomicMax(&bound, ws[w].cutoff); }
+    unsigned cutoff = 0u;
+    for (int w = tid; w < W; w += nt) {
+        const float wm = __ldcg(&ws[w].max);
+        argmax_merge(m, at, wm, __ldcg(&ws[w].argmax));
+        argmax_merge(r, r_at, __ldcg(&ws[w].race), __ldcg(&ws[w].race_at));
+        cutoff = max(cutoff, __ldcg(&ws[w].cutoff));
+        if (w < 256) maxima[w] = wm;
+    }
+    cutoff = __reduce_max_sync(FULL_MASK, cutoff);  // a shared atomic per warp, not per thread: they would queue
+    if ((tid & 31) == 0) atomicMax(&bound, cutoff);
     block_argmax(m, at);
-    if (T == 0.f) {
-        if (tid == 0) tokens[row] = at;
-        return;
-    }
-    const int k = top_k[row] < V ? top_k[row] : 0;
-    const float tp = top_p[row], mp = min_p[row];
-    const unsigned long long key = sample_key(seed[row], step[row]);
-    float r = NEG_INF;  // the race's best so far, and its token
-    int r_at = V;
-    if (races_all(V, k, tp, mp)) {  // every token raced in sample_candidates: the best of the warps' best
-        for (int w = tid; w < W; w += nt) argmax_merge(r, r_at, ws[w].race, ws[w].race_at);
-        block_argmax(r, r_at);
-        if (tid == 0) tokens[row] = r_at;
-        return;
-    }
-    const float inv_t = 1.f / T;
-    auto P = [&](float logit) { return __expf((logit - m) * inv_t); };
-    auto race = [&](float logit, int token) { argmax_merge(r, r_at, logit * inv_t + gumbel(key, token), token); };
-    double mass = 0.0;  // top-p alone: the row's p mass, from the warps' sums
-    if (k == 0 && tp < 1.f) {
-        for (int w = tid; w < W; w += nt) mass += ws[w].max == NEG_INF ? 0.0 : ws[w].sumexp * (double)P(ws[w].max);
+    if (f.T == 0.f) return at;
+    if (k == 0) block_argmax(r, r_at);  // every token raced in its warp: the best of the warps' best
+    if (f.races_all) return r_at;
+    auto P = [&](float logit) { return __expf((logit - m) * f.inv_t); };
+    auto race = [&](float logit, int token) { argmax_merge(r, r_at, logit * f.race_scale + race_noise(f.key, token), token); };
+    // Top-p or min-p alone: the race over every token picks the kept token with the best score whenever its own
+    // winner is kept, which it is with probability >= top_p: then the winner stands, with no thresholds to find
+    // (rejection sampling's idea, but exact: the same token as the definition's)
+    const int raced = r_at;
+    const float won = k == 0 ? x[raced] : NEG_INF;
+    const bool won_min_p = P(won) >= f.min_p;
+    if (k == 0 && f.top_p >= 1.f && won_min_p) return raced;  // min-p alone
+    r = NEG_INF, r_at = V;
+    double mass = 0.0;  // top-p alone: the row's mass, from the warps' sums
+    if (k == 0) {
+        for (int w = tid; w < W; w += nt) {
+            const float wm = __ldcg(&ws[w].max);
+            mass += wm == NEG_INF ? 0.0 : __ldcg(&ws[w].sumexp) * (double)P(wm);
+        }
         mass = block_sum(mass);
     }
+    // top-p alone keeps a token while the mass above it is below this (in fixed_p's units)
+    const unsigned long long row_target = (unsigned long long)((double)f.top_p * mass * 2147483648.0);
 
     // the head: every candidate above the largest cutoff, as every logit above it is one. With top-k (k <= W) only
     // those at or above the k-th largest warp maximum can be in the top k (k logits reach it): the rest are dropped
-    __shared__ unsigned kth_max;
-    if (tid == 0) kth_max = ~0u;
+    const bool floor = 0 < k && k <= W && W <= 256;
+    unsigned kth = ~0u;  // the k-th largest warp maximum: the least that fewer than k exceed
+    if (floor && tid < W) {
+        int larger = 0, larger2 = 0;  // two counts: half the chain of dependent adds
+#pragma unroll 8
+        for (int w = 0; w < W - 1; w += 2) { larger += maxima[w] > maxima[tid]; larger2 += maxima[w + 1] > maxima[tid]; }
+        if (W & 1) larger += maxima[W - 1] > maxima[tid];
+        if (larger + larger2 < k) kth = order_key(maxima[tid]);
+    }
+    kth = __reduce_min_sync(FULL_MASK, kth);
+    if ((tid & 31) == 0) atomicMin(&kth_max, kth);
     __syncthreads();
-    if (0 < k && k <= W && tid < W) {  // the k-th largest warp maximum: the least that fewer than k exceed
-        int larger = 0;
-        for (int w = 0; w < W; w++) larger += ws[w].max > ws[tid].max;
-        if (larger < k) atomicMin(&kth_max, order_key(ws[tid].max));
+    const unsigned least = floor ? max(bound + 1, kth_max) : bound + 1;  // the least order key kept
+    unsigned long long *head = smem, *head_mass = smem + SAMPLE_HEAD, in_mass = 0, above_won = 0;
+    for (int first = 0; first < W * SAMPLE_CAP; first += 8 * nt) {  // one round while V <= 65536
+        unsigned long long c[8];
+#pragma unroll
+        for (int j = 0; j < 8; j++) {  // all loads in flight at once
+            const int i = first + j * nt + tid;
+            c[j] = i < W * SAMPLE_CAP ? __ldcg(&candidates[i]) : 0ull;
+        }
+#pragma unroll
+        for (int j = 0; j < 8; j++) {  // a warp's entries take consecutive slots: one shared atomic per warp
+            const unsigned key = (unsigned)(c[j] >> 32);
+            const bool keep = key >= least;
+            const unsigned ballot = __ballot_sync(FULL_MASK, keep);
+            int slot = 0;
+            if ((tid & 31) == 0 && ballot) slot = atomicAdd(&n_head, __popc(ballot));
+            slot = __shfl_sync(FULL_MASK, slot, 0) + __popc(ballot & ((1u << (tid & 31)) - 1));
+            if (keep) {  // in any order: nothing below depends on it
+                const unsigned long long p = fixed_p(P(key_float(key)));
+                in_mass += p;
+                if (key > order_key(won)) above_won += p;
+                if (slot < SAMPLE_HEAD) { head[slot] = c[j]; head_mass[slot] = p; }
+            }
+        }
     }
     __syncthreads();
-    const unsigned least = 0 < k && k <= W ? max(bound + 1, kth_max) : bound + 1;  // the least order key kept
-    int mine = 0;
-    double head_mass = 0.0;
-#pragma unroll
-    for (int j = 0; j < SAMPLE_SLOTS; j++)
-        if ((unsigned)(c[j] >> 32) >= least) {
-            mine++;
-            if (k == 0 && tp < 1.f) head_mass += P(key_float((unsigned)(c[j] >> 32)));
-        }
-    int N, pos = block_scan(mine, N) - mine;
-#pragma unroll
-    for (int j = 0; j < SAMPLE_SLOTS; j++) if ((unsigned)(c[j] >> 32) >= least) head[pos++] = c[j];
-    if (k == 0 && tp < 1.f) head_mass = block_sum(head_mass);
+    const int N = n_head;
     // does it hold every token the filters keep? top-k: k <= N; else top-p: top_p of the mass; else min-p alone
-    const bool in_head = fits && (k > 0 ? k <= N : tp < 1.f ? head_mass >= (double)tp * mass
-                                                             : P(key_float(bound)) < mp);
-    if (!in_head) {  // the last resort: thresholds over the whole row, and the race among all it keeps
-        float* p_cache = reinterpret_cast<float*>(dynamic_smem);
-        __syncthreads();  // the head is done with
-        if (cache_p) for (int i = tid; i < V; i += nt) p_cache[i] = P(x[i]);
-        __syncthreads();
-        const float thr = row_threshold(V, [&](int i) { return cache_p ? p_cache[i] : P(x[i]); }, k, tp, mp);
-#pragma unroll 8
-        for (int i = tid; i < V; i += nt) if ((cache_p ? p_cache[i] : P(x[i])) >= thr) race(x[i], i);
-        block_argmax(r, r_at);
-        if (tid == 0) tokens[row] = r_at;
-        return;
+    bool in_head = N <= SAMPLE_HEAD;
+    if (k > 0) {
+        in_head = in_head && k <= N;
+    } else if (f.top_p < 1.f) {  // the race's winner stands if it is in the head, and kept
+        const bool won_in_head = order_key(won) >= least;
+        if (block_sum(above_won) < row_target && won_in_head && won_min_p) return raced;
+        in_head = in_head && block_sum(in_mass) >= row_target;
+    } else {
+        in_head = in_head && P(key_float(bound)) < f.min_p;
     }
 
-    // sorted descending: an entry's place is how many entries are larger (keys are unique: they hold the token)
-    __syncthreads();
-    rank_into(head, N, sorted);
-    __syncthreads();
-    auto logit_at = [&](int i) { return key_float((unsigned)(sorted[i] >> 32)); };
-    // this thread's run of the sorted head, for prefix sums in order: [i0, i1)
-    const int per = (N + nt - 1) / nt, i0 = min(N, tid * per), i1 = min(N, i0 + per);
-    int n = N;  // top-k: the entries at or above the k-th largest (its ties too)
-    if (k > 0) {
-        int first_below = N;
-        for (int i = i0; i < i1 && first_below == N; i++) if (logit_at(i) < logit_at(k - 1)) first_below = i;
-        n = block_min(first_below);
+    if (in_head) {  // each entry: how many entries are larger, and their mass (this thread's: tid + j * nt)
+        int larger[SAMPLE_HEAD / 256];
+        unsigned long long above[SAMPLE_HEAD / 256], kept_mass = 0;
+#pragma unroll
+        for (int j = 0; j < SAMPLE_HEAD / 256; j++) {
+            const int e = tid + j * nt;
+            larger[j] = 0;
+            above[j] = 0;
+            if (e >= N) continue;
+            const unsigned ek = (unsigned)(head[e] >> 32);
+            const ulonglong2 *h2 = reinterpret_cast<const ulonglong2*>(head), *p2 = reinterpret_cast<const ulonglong2*>(head_mass);
+            int larger2 = 0;  // the odd entries' counts apart: two chains of dependent adds, each half as long
+            unsigned long long above2 = 0;
+#pragma unroll 4
+            for (int i = 0; i < N / 2; i++) {  // two entries per 16-byte load
+                const ulonglong2 h = h2[i], p = p2[i];
+                if ((unsigned)(h.x >> 32) > ek) { larger[j]++; above[j] += p.x; }
+                if ((unsigned)(h.y >> 32) > ek) { larger2++; above2 += p.y; }
+            }
+            if (N & 1 && (unsigned)(head[N - 1] >> 32) > ek) { larger2++; above2 += head_mass[N - 1]; }
+            larger[j] += larger2;
+            above[j] += above2;
+            if (k > 0 && larger[j] < k) kept_mass += head_mass[e];
+        }
+        // top-p: kept while the mass above is below top_p of the top-k set's mass (or of the row's)
+        const unsigned long long target = k > 0 ? (unsigned long long)((double)f.top_p * block_sum(kept_mass)) : row_target;
+#pragma unroll
+        for (int j = 0; j < SAMPLE_HEAD / 256; j++) {
+            const int e = tid + j * nt;
+            if (e >= N) continue;
+            const float logit = key_float((unsigned)(head[e] >> 32));
+            if ((k == 0 || larger[j] < k) && (f.top_p >= 1.f || above[j] < target) && P(logit) >= f.min_p)
+                race(logit, (int)(unsigned)head[e]);
+        }
+        block_argmax(r, r_at);
+        return r_at;
     }
-    float thr = mp;  // min-p: p >= min_p, as the largest p is 1
-    if (tp < 1.f) {  // top-p: the p at which the running sum first reaches top_p of the top-k (or row's) mass
-        double run = 0.0, kept_mass;
-        for (int i = i0; i < min(i1, n); i++) run += P(logit_at(i));
-        run = block_scan(run, kept_mass) - run;
-        const double target = (double)tp * (k > 0 ? kept_mass : mass);
-        int j = n;
-        for (int i = i0; i < min(i1, n) && j == n; i++) if ((run += P(logit_at(i))) >= target) j = i;
-        j = block_min(j);
-        thr = fmaxf(thr, P(logit_at(j < n ? j : n - 1)));
+    if (k == 0 && won_min_p && order_key(won) < least) {  // a flat row: one pass for the mass above the winner
+        unsigned long long above = 0;
+        for_each_logit(x, V, [&](float l, int) { if (l > won) above += fixed_p(P(l)); });
+        if (block_sum(above) < row_target) return raced;
     }
-    for (int i = tid; i < n; i += nt) if (P(logit_at(i)) >= thr) race(logit_at(i), (int)(unsigned)sorted[i]);
+    // the last resort: thresholds by radix select over the whole row, and the race among all it keeps
+    float lo = -NEG_INF;
+    for (int w = tid; w < W; w += nt) lo = fminf(lo, __ldcg(&ws[w].min));
+    lo = block_min(lo);
+    const float scale = m > lo ? fminf(4294967040.f / (m - lo), 1e30f) : 0.f;  // 4294967040: the float below 2^32
+    auto q = [&](float l) { return l == NEG_INF ? ~0u : (unsigned)fminf((m - l) * scale, 4294967040.f); };
+    unsigned t = ~0u, *low = reinterpret_cast<unsigned*>(smem), *high = low + SAMPLE_BINS;  // kept: q <= t
+    __syncthreads();  // the head is done with: its memory holds the bins
+    if (k > 0)
+        t = radix_select(x, V, q, t, [](float) { return 1u; }, [&](unsigned long long) { return (unsigned long long)k; },
+                         low, high);
+    if (f.top_p < 1.f)
+        t = radix_select(x, V, q, t, [&](float l) { return (unsigned)fixed_p(P(l)); },
+                         [&](unsigned long long total) { return (unsigned long long)((double)f.top_p * total); },
+                         low, high);
+    for_each_logit(x, V, [&](float l, int i) { if (q(l) <= t && P(l) >= f.min_p) race(l, i); });
     block_argmax(r, r_at);
-    if (tid == 0) tokens[row] = r_at;
+    return r_at;
+}
+
+__device__ Filters row_filters(int row, int V, const float* temperature, const int* top_k, const float* top_p,
+                               const float* min_p, const unsigned long long* seed, const int* step) {
+    Filters f;
+    f.T = temperature[row];
+    f.inv_t = 1.f / f.T;
+    f.race_scale = 1.4426950408889634f * f.inv_t;
+    f.top_k = top_k[row] < V ? top_k[row] : 0;
+    f.top_p = top_p[row];
+    f.min_p = min_p[row];
+    f.key = sample_key(seed[row], step[row]);
+    f.races_all = f.top_k == 0 && f.top_p >= 1.f && f.min_p <= 0.f;
+    return f;
+}
+
+// A block per 8 warps' share of a row (13 blocks a row for GPT-2): the logits are loaded first, on their way while the
+// row's parameters come; the row's last block to finish picks its token.
+extern "C" __global__ void __launch_bounds__(256) sample_tokens(
+    const float* logits, int V, int W, const float* temperature, const int* top_k, const float* top_p,
+    const float* min_p, const unsigned long long* seed, const int* step, WarpSummary* summary,
+    unsigned long long* candidates, int* arrivals, int* tokens) {
+    wait_for_inputs();
+    const int row = blockIdx.y, w = blockIdx.x * 8 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    const float* x = logits + (long)row * V;
+    float v[SAMPLE_PER_LANE];  // this warp's 512 logits: segment w, w + W, ... of 32
+#pragma unroll
+    for (int j = 0; j < SAMPLE_PER_LANE; j++) {
+        const int i = (w + j * W) * 32 + lane;
+        v[j] = w < W && i < V ? x[i] : NEG_INF;
+    }
+    const Filters f = row_filters(row, V, temperature, top_k, top_p, min_p, seed, step);
+    WarpSummary* ws = summary + (long)row * W;
+    unsigned long long* c = candidates + (long)row * W * SAMPLE_CAP;
+    if (w < W) summarize_warp(v, V, W, w, f, ws + w, c + w * SAMPLE_CAP);
+    if (!last_to_arrive(&arrivals[row], gridDim.x)) return;
+    const int token = pick_token(x, V, W, f, ws, c);
+    if (threadIdx.x == 0) tokens[row] = token;
 }
 
 // ---------------------------------------------------------------------------------------------

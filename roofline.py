@@ -129,7 +129,7 @@ class Roofline:
 
     def sampler(self):
         """The sampler on random logits (sd 3) of batch 1 and 256: greedy, temperature alone, top-k 50 with top-p 0.95
-        (the head's way), top-p 0.95 alone (rows this flat take sample_pick's whole-row way)."""
+        (the head's way), top-p 0.95 alone (on rows this flat the race over every token mostly stands)."""
         cp, be, V = self.cp, self.be, self.V
         for R in (1, 256):
             logits = [self.randn(R, V, dtype=np.float32) * 3 for _ in range(self.n_rot(R * V * 4, cap=8))]
