@@ -449,6 +449,8 @@ class CudaBackend:
         them to a summary and <= 16 candidates; the row's last block to finish picks (kernels.cu's sample_tokens)."""
         logits = self._contiguous(logits, np.float32)
         R, V = logits.shape
+        if V > 65536:
+            raise ValueError(f"the sampler's kernel counts a row in 16-bit halves: at most 65536 logits, not {V}")
         W = cdiv(V, SAMPLE_LOGITS_PER_WARP)  # warps per row
         if V not in self._sample_scratch:  # kept for good: captured graphs hold its pointers
             self._sample_scratch[V] = (cp.empty((SAMPLE_ROWS, W, 7), np.int32),

@@ -1216,7 +1216,7 @@ __device__ int pick_token(const float* x, int V, int W, const Filters& f, const 
     // winner is kept, which it is with probability >= top_p: then the winner stands, with no thresholds to find
     // (rejection sampling's idea, but exact: the same token as the definition's)
     const int raced = r_at;
-    const float won = k == 0 ? x[raced] : NEG_INF;
+    const float won = k == 0 && raced < V ? x[raced] : NEG_INF;  // raced == V: every logit is -inf
     const bool won_min_p = P(won) >= f.min_p;
     if (k == 0 && f.top_p >= 1.f && won_min_p) return raced;  // min-p alone
     r = NEG_INF, r_at = V;

@@ -2027,6 +2027,15 @@ def test_sample_greedy_and_batch_invariance():
 
 
 @NO_GPU
+def test_sample_refuses_rows_past_65536_logits():
+    """The sampler's kernel counts a row's weights in 16-bit halves: a wider row is refused, not counted wrong."""
+    be = CudaBackend(np.float16)
+    zeros = [np.zeros(1, t) for t in (np.float32, np.int32, np.float32, np.uint64, np.int32, np.float32)]
+    with pytest.raises(ValueError, match="at most 65536 logits"):
+        be.sample(cp.zeros((1, 65537), np.float32), *zeros)
+
+
+@NO_GPU
 def test_sample_distribution():
     """20000 draws (different steps) from a 5-token distribution match its probabilities."""
     be = CudaBackend(np.float16)
