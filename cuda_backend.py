@@ -38,6 +38,19 @@ def find_gpu():
                 "the kernels are Hopper's (9.0: H100, H200)")
     return None if cc is not None else "no GPU is visible"
 
+
+def open_gpu(dtype, required):
+    """A CudaBackend (fp16 unless dtype says otherwise); without a usable GPU an error if required, else None (logged:
+    the CPU stands in)."""
+    why = find_gpu()
+    if why is None:
+        return CudaBackend(np.dtype(dtype or np.float16))
+    if required:
+        raise RuntimeError(f"device='cuda' needs CuPy and an NVIDIA Hopper GPU ({why}): "
+                           "pip install cupy-cuda13x on an H100 or H200, or use device='cpu'")
+    log(f"no usable GPU ({why}); running on the CPU with numpy")
+    return None
+
 # -----------------------------------------------------------------------------
 # 1. compiling and launching kernels.cu
 
@@ -50,6 +63,7 @@ PLAIN = ["matmul_f32", "matmul_skinny", "attention_prefill", "penalize", "sample
 GEMV_SMEM = 224 * 1024  # matmul_gemv keeps x in shared memory: K * 2 bytes at most
 SAMPLE_LOGITS_PER_WARP, SAMPLE_CAP = 512, 16  # kernels.cu's sampler: a warp's share of a row, its candidates
 SAMPLE_ROWS = 1024  # rows sampled per launch: the scratch between a row's blocks is sized for this many
+SAMPLE_MAX_V = 65536  # the sampler's radix select counts a row in 16-bit halves: rows of at most this many logits
 
 
 def tc_smem(bm, bn, stages):
@@ -244,9 +258,9 @@ class CudaBackend:
         return None if self.dtype == np.float32 else 1 if self.batch_invariant else PREFILL_MIN_Q
 
     def check_model(self, config):
-        if config.head_dim != 64 or config.n_inner % 8 or config.vocab_size > 65536:
+        if config.head_dim != 64 or config.n_inner % 8 or config.vocab_size > SAMPLE_MAX_V:
             raise ValueError(f"the CUDA kernels are written for head_dim 64 (every GPT-2), an MLP width that is a "
-                             f"multiple of 8 and at most 65536 tokens (the sampler's counts); this model has "
+                             f"multiple of 8 and at most {SAMPLE_MAX_V} tokens (the sampler's counts); this model has "
                              f"{config.head_dim}, {config.n_inner} and {config.vocab_size}: use device='cpu'")
 
     def launch(self, name, grid, block, args, shared_mem=0):
@@ -449,8 +463,9 @@ class CudaBackend:
         them to a summary and <= 16 candidates; the row's last block to finish picks (kernels.cu's sample_tokens)."""
         logits = self._contiguous(logits, np.float32)
         R, V = logits.shape
-        if V > 65536:
-            raise ValueError(f"the sampler's kernel counts a row in 16-bit halves: at most 65536 logits, not {V}")
+        if V > SAMPLE_MAX_V:
+            raise ValueError(f"the sampler's kernel counts a row in 16-bit halves: at most {SAMPLE_MAX_V} logits, "
+                             f"not {V}")
         W = cdiv(V, SAMPLE_LOGITS_PER_WARP)  # warps per row
         if V not in self._sample_scratch:  # kept for good: captured graphs hold its pointers
             self._sample_scratch[V] = (cp.empty((SAMPLE_ROWS, W, 7), np.int32),

@@ -182,13 +182,9 @@ def make_backend(device, dtype):
         raise ValueError(f"device={device!r}: use 'auto', 'cpu' or 'cuda'")
     if device != "cpu":
         import cuda_backend
-        why = cuda_backend.find_gpu()
-        if why is None:
-            return cuda_backend.CudaBackend(np.dtype(dtype or np.float16))
-        if device == "cuda":
-            raise RuntimeError(f"device='cuda' needs CuPy and an NVIDIA Hopper GPU ({why}): "
-                               "pip install cupy-cuda13x on an H100 or H200, or use device='cpu'")
-        log(f"no usable GPU ({why}); running on the CPU with numpy")
+        backend = cuda_backend.open_gpu(dtype, required=device == "cuda")  # None: no usable GPU, numpy stands in
+        if backend is not None:
+            return backend
     if dtype is not None and np.dtype(dtype) != np.float32:
         raise ValueError(f"dtype={np.dtype(dtype).name} on the CPU: numpy has no fast fp16 matmul; use float32")
     return NumpyBackend(np.float32)
