@@ -62,6 +62,7 @@ PLAIN = ["matmul_f32", "matmul_skinny", "attention_prefill", "penalize", "sample
          "take_rows"]
 GEMV_SMEM = 224 * 1024  # matmul_gemv keeps x in shared memory: K * 2 bytes at most
 SAMPLE_LOGITS_PER_WARP, SAMPLE_CAP = 512, 16  # kernels.cu's sampler: a warp's share of a row, its candidates
+WARP_SUMMARY_WORDS = 7  # kernels.cu's WarpSummary: max, argmax, min, sumexp, cutoff, race, race_at
 SAMPLE_ROWS = 1024  # rows sampled per launch: the scratch between a row's blocks is sized for this many
 SAMPLE_MAX_V = 65536  # the sampler's radix select counts a row in 16-bit halves: rows of at most this many logits
 
@@ -468,7 +469,7 @@ class CudaBackend:
                              f"not {V}")
         W = cdiv(V, SAMPLE_LOGITS_PER_WARP)  # warps per row
         if V not in self._sample_scratch:  # kept for good: captured graphs hold its pointers
-            self._sample_scratch[V] = (cp.empty((SAMPLE_ROWS, W, 7), np.int32),
+            self._sample_scratch[V] = (cp.empty((SAMPLE_ROWS, W, WARP_SUMMARY_WORDS), np.int32),
                                        cp.empty((SAMPLE_ROWS, W, SAMPLE_CAP), np.uint64),
                                        cp.zeros(SAMPLE_ROWS, np.int32))
         scratch, tokens = self._sample_scratch[V], self.empty((R,), np.int32)
