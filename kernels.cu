@@ -1091,22 +1091,26 @@ __device__ void summarize_warp(const float (&v)[SAMPLE_PER_LANE], int V, int W, 
                 const float o = __shfl_xor_sync(FULL_MASK, sorted, j);
                 sorted = ((lane & j) == 0) == ((lane & kk) == 0) ? fmaxf(sorted, o) : fminf(sorted, o);
             }
+        unsigned key[SAMPLE_PER_LANE];  // the logits as order keys, made once (the logits are not needed after)
+#pragma unroll
+        for (int j = 0; j < SAMPLE_PER_LANE; j++) key[j] = order_key(v[j]);
         auto above = [&](unsigned cut) {  // how many of the warp's logits have an order key above cut
             int n = 0;
 #pragma unroll
-            for (int j = 0; j < SAMPLE_PER_LANE; j++) n += order_key(v[j]) > cut;
+            for (int j = 0; j < SAMPLE_PER_LANE; j++) n += key[j] > cut;
             return n;
         };
         unsigned cut = order_key(__shfl_sync(FULL_MASK, sorted, SAMPLE_RANK - 1)) - 1;
-        if (__reduce_add_sync(FULL_MASK, above(cut)) > SAMPLE_CAP) {  // crowded: the least cutoff leaving <= 16
+        int mine = above(cut);
+        if (__reduce_add_sync(FULL_MASK, mine) > SAMPLE_CAP) {  // crowded: the least cutoff leaving <= 16
             unsigned lo = cut, hi = order_key(m);
             while (hi - lo > 1) {
                 const unsigned mid = lo + (hi - lo) / 2;
                 if (__reduce_add_sync(FULL_MASK, above(mid)) <= SAMPLE_CAP) hi = mid; else lo = mid;
             }
             cut = hi;
+            mine = above(cut);
         }
-        const int mine = above(cut);
         int pos = mine;  // this lane's place in the warp's list: an exclusive prefix sum
         for (int off = 1; off < 32; off <<= 1) {
             const int n = __shfl_up_sync(FULL_MASK, pos, off);
@@ -1118,7 +1122,7 @@ __device__ void summarize_warp(const float (&v)[SAMPLE_PER_LANE], int V, int W, 
         if (count <= lane && lane < SAMPLE_CAP) out[lane] = 0ull;  // an empty slot
 #pragma unroll
         for (int j = 0; j < SAMPLE_PER_LANE; j++)
-            if (order_key(v[j]) > cut) out[pos++] = (unsigned long long)order_key(v[j]) << 32 | (unsigned)index(j);
+            if (key[j] > cut) out[pos++] = (unsigned long long)key[j] << 32 | (unsigned)index(j);
     }
     if (lane == 0) *summary = s;
 }
