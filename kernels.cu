@@ -984,14 +984,25 @@ __device__ __forceinline__ unsigned long long sample_key(unsigned long long seed
     return z ^ (z >> 31);
 }
 // the race's noise in base 2: -log2(-log2(u)) = (gumbel + ln ln 2) / ln 2, gumbel = -ln(-ln(u)). A token's score,
-// logit / T + gumbel, scaled by 1 / ln 2 and shifted, is logit * log2(e) / T + this: the same race, fewer instructions
+// logit / T + gumbel, scaled by 1 / ln 2 and shifted, is logit * log2(e) / T + this: the same race, fewer instructions.
+// The winners come from u near 1, where -log2(u) ~ (1 - u) / ln 2 is tiny and lg2.approx's absolute error (2^-22)
+// swamps it (the noise of a token drawn at u = 1 - 2^-24 came out a whole unit too large): there a series instead.
+__device__ __forceinline__ float lg2_approx(float x) {  // MUFU.LG2 alone: x is never denormal here (__log2f checks)
+    float y;
+    asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
 __device__ __forceinline__ float race_noise(unsigned long long key, int token) {  // u from murmur3's finalizer
     unsigned h = (unsigned)token * 0x9E3779B1u + (unsigned)key;
     h ^= (unsigned)(key >> 32);
     h ^= h >> 16; h *= 0x85EBCA6Bu; h ^= h >> 13; h *= 0xC2B2AE35u; h ^= h >> 16;
     // u = (h >> 9 + 0.5) / 2^23 in (0, 1): 1.mantissa - (1 - 2^-24) is exact, and cheaper than an int-to-float
     const float u = __uint_as_float(0x3f800000u | (h >> 9)) - 0.99999994f;
-    return -__log2f(-__log2f(u));
+    const float d = 1.f - u;  // exact: 24 bits hold it
+    // -log2(1 - d) = log2(e) (d + d^2/2 + d^3/3 + ...): five terms below d = 1/16 (relative error < 2^-22); above,
+    // lg2.approx's 2^-22 is < 3e-6 of -log2(u)
+    const float series = d * (1.44269504f + d * (0.72134752f + d * (0.48089835f + d * (0.36067376f + d * 0.28853901f))));
+    return -lg2_approx(d < 0.0625f ? series : -lg2_approx(u));
 }
 
 __device__ __forceinline__ void argmax_merge(float& v, int& i, float v2, int i2) {  // ties: the first index

@@ -2008,6 +2008,36 @@ def test_sample_matches_definition():
 
 
 @NO_GPU
+def test_race_noise_where_u_nears_one():
+    """The race's winners draw u near 1, where -log(u) is tiny: the kernel's noise is right to within rounding there
+    too. Under one key, the token at u's top value (1 - 2^-24), and the one with the next largest noise, each race a
+    rival whose logit puts it ahead or behind by a little (0.5, 0.005); the other rows are random."""
+    be = CudaBackend(np.float32)
+    V, R, r = 50257, 96, np.random.default_rng(SEED)
+    logits = (r.standard_normal((R, V)) * 2).astype(np.float32)
+    seed, step = r.integers(0, 2**63, R, dtype=np.uint64), np.zeros(R, np.int32)
+    tries = ni.sample_key(np.arange(5000, dtype=np.uint64), np.zeros(5000, np.int32))
+    seed[:4] = next(s for s, key in enumerate(tries) if ni.gumbel(key, V).max() > 16)  # a token at u's top value
+    noise = ni.gumbel(tries[seed[0]], V)  # the definition's, in float32
+    order = np.argsort(noise)[::-1]
+    for row, near, margin in ((0, order[0], 0.5), (1, order[0], -0.5), (2, order[1], 0.005), (3, order[1], -0.005)):
+        rival = order[V // 2]  # a token of middling noise
+        logits[row] = -40
+        logits[row, near] = 0
+        logits[row, rival] = noise[near] - noise[rival] + margin  # the rival's score: near's + margin
+    top_k, top_p = np.tile(np.int32([0, 0, 1000]), R // 3), np.tile(np.float32([1, 0.99, 1]), R // 3)
+    top_k[:4], top_p[:4] = 0, 1
+    temp, min_p = np.ones(R, np.float32), np.zeros(R, np.float32)
+    toks = be.sample(cp.asarray(logits), temp, top_k, top_p, seed, step, min_p)
+    keys = ni.sample_key(seed, step)
+    for i in range(R):
+        want = ni.sample_row(logits[i], temp[i], top_k[i], top_p[i], keys[i])
+        assert toks[i] == want or near_race(logits[i], temp[i], top_k[i], top_p[i], int(seed[i]), 0, 0.0, toks[i]), \
+            f"row {i}: got {toks[i]}, the definition picks {want} (seed={SEED})"
+    assert [tok == order[V // 2] for tok in toks[:4]] == [True, False, True, False]  # the rows as built
+
+
+@NO_GPU
 def test_sample_greedy_and_batch_invariance():
     """Greedy is NumpyBackend.sample's argmax (ties: the first index); a seeded row samples the same token
     wherever it sits in the batch."""
