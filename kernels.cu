@@ -954,6 +954,7 @@ extern "C" __global__ void penalize(float* logits, int V, const int* rows, const
 // Reads 4 bytes a logit once (the pick's passes hit L2); a few FLOPs a logit, ~25 more to race it.
 constexpr int SAMPLE_PER_LANE = 16, SAMPLE_RANK = 8, SAMPLE_CAP = 16;  // a warp's 512 logits; its candidates
 constexpr int SAMPLE_HEAD = 1024, SAMPLE_BINS = 2048;  // the pick's head; the radix select's bins (11-bit digits)
+constexpr int SAMPLE_MAX_WARPS = 128;  // a row's warps at most: V <= 65536 (the radix select's 16-bit counts)
 
 struct WarpSummary {  // one warp's share of a row, for the row's last block
     float max; int argmax;    // the largest logit and its first index
@@ -1008,9 +1009,10 @@ __device__ __forceinline__ float race_noise(unsigned long long key, int token) {
 __device__ __forceinline__ void argmax_merge(float& v, int& i, float v2, int i2) {  // ties: the first index
     if (v2 > v || (v2 == v && i2 < i)) { v = v2; i = i2; }
 }
-__device__ __forceinline__ void warp_argmax(float& v, int& i) {
-    for (int off = 16; off > 0; off >>= 1)
-        argmax_merge(v, i, __shfl_xor_sync(FULL_MASK, v, off), __shfl_xor_sync(FULL_MASK, i, off));
+__device__ __forceinline__ void warp_argmax(float& v, int& i) {  // two redux.sync: a warp's reduction in one each
+    const unsigned key = order_key(v + 0.f), best = __reduce_max_sync(FULL_MASK, key);  // + 0: -0 ties with +0
+    i = (int)__reduce_min_sync(FULL_MASK, key == best ? (unsigned)i : ~0u);
+    v = key_float(best);
 }
 __device__ void block_argmax(float& v, int& i) {  // every thread gets the block's (value, first index)
     __shared__ float vs[32];
@@ -1090,18 +1092,13 @@ __device__ void summarize_warp(const float (&v)[SAMPLE_PER_LANE], int V, int W, 
             if (v[j] != NEG_INF) least = fminf(least, v[j]);
             if (f.top_k == 0 && f.top_p < 1.f) sum += m == NEG_INF ? 0.f : __expf((v[j] - m) * f.inv_t);
         }
-        for (int off = 16; off > 0; off >>= 1) {
-            least = fminf(least, __shfl_xor_sync(FULL_MASK, least, off));
-            sum += __shfl_xor_sync(FULL_MASK, sum, off);
+        s.min = key_float(__reduce_min_sync(FULL_MASK, order_key(least)));
+        s.sumexp = warp_sum(sum);
+        unsigned rest = order_key(lane_max), kth = 0u;  // the 8th largest lane maximum: the largest leaves each round
+        for (int r = 0; r < SAMPLE_RANK; r++) {
+            kth = __reduce_max_sync(FULL_MASK, rest);
+            if (lane == __ffs(__ballot_sync(FULL_MASK, rest == kth)) - 1) rest = 0u;  // order keys are > 0
         }
-        s.min = least;
-        s.sumexp = sum;
-        float sorted = lane_max;  // the lane maxima, sorted descending across the warp (bitonic)
-        for (int kk = 2; kk <= 32; kk <<= 1)
-            for (int j = kk >> 1; j > 0; j >>= 1) {
-                const float o = __shfl_xor_sync(FULL_MASK, sorted, j);
-                sorted = ((lane & j) == 0) == ((lane & kk) == 0) ? fmaxf(sorted, o) : fminf(sorted, o);
-            }
         unsigned key[SAMPLE_PER_LANE];  // the logits as order keys, made once (the logits are not needed after)
 #pragma unroll
         for (int j = 0; j < SAMPLE_PER_LANE; j++) key[j] = order_key(v[j]);
@@ -1111,7 +1108,7 @@ __device__ void summarize_warp(const float (&v)[SAMPLE_PER_LANE], int V, int W, 
             for (int j = 0; j < SAMPLE_PER_LANE; j++) n += key[j] > cut;
             return n;
         };
-        unsigned cut = order_key(__shfl_sync(FULL_MASK, sorted, SAMPLE_RANK - 1)) - 1;
+        unsigned cut = kth - 1;
         int mine = above(cut);
         if (__reduce_add_sync(FULL_MASK, mine) > SAMPLE_CAP) {  // crowded: the least cutoff leaving <= 16
             unsigned lo = cut, hi = order_key(m);
@@ -1203,7 +1200,7 @@ __device__ unsigned radix_select(const float* x, int V, Q q, unsigned limit, Wei
 __device__ int pick_token(const float* x, int V, int W, const Filters& f, const WarpSummary* ws,
                           const unsigned long long* candidates) {
     __shared__ __align__(16) unsigned long long smem[2 * SAMPLE_HEAD];  // the head's keys and masses, or radix bins
-    __shared__ float maxima[256];                                       // the warps' maxima, for top-k's floor
+    __shared__ __align__(16) float maxima[SAMPLE_MAX_WARPS];            // the warps' maxima, for top-k's floor
     __shared__ unsigned bound, kth_max;
     __shared__ int n_head;
     const int tid = threadIdx.x, nt = blockDim.x, k = f.top_k;
@@ -1217,8 +1214,9 @@ __device__ int pick_token(const float* x, int V, int W, const Filters& f, const 
         argmax_merge(m, at, wm, __ldcg(&ws[w].argmax));
         argmax_merge(r, r_at, __ldcg(&ws[w].race), __ldcg(&ws[w].race_at));
         cutoff = max(cutoff, __ldcg(&ws[w].cutoff));
-        if (w < 256) maxima[w] = wm;
+        maxima[w] = wm;
     }
+    if (W <= tid && tid < SAMPLE_MAX_WARPS) maxima[tid] = NEG_INF;  // padding: never larger
     cutoff = __reduce_max_sync(FULL_MASK, cutoff);  // a shared atomic per warp, not per thread: they would queue
     if ((tid & 31) == 0) atomicMax(&bound, cutoff);
     block_argmax(m, at);
@@ -1248,14 +1246,17 @@ __device__ int pick_token(const float* x, int V, int W, const Filters& f, const 
 
     // the head: every candidate above the largest cutoff, as every logit above it is one. With top-k (k <= W) only
     // those at or above the k-th largest warp maximum can be in the top k (k logits reach it): the rest are dropped
-    const bool floor = 0 < k && k <= W && W <= 256;
+    const bool floor = 0 < k && k <= W;
     unsigned kth = ~0u;  // the k-th largest warp maximum: the least that fewer than k exceed
-    if (floor && tid < W) {
-        int larger = 0, larger2 = 0;  // two counts: half the chain of dependent adds
-#pragma unroll 8
-        for (int w = 0; w < W - 1; w += 2) { larger += maxima[w] > maxima[tid]; larger2 += maxima[w + 1] > maxima[tid]; }
-        if (W & 1) larger += maxima[W - 1] > maxima[tid];
-        if (larger + larger2 < k) kth = order_key(maxima[tid]);
+    if (floor) {  // how many maxima exceed maximum tid / 2: two threads, each counting over half the list
+        const float mine = maxima[min(tid >> 1, SAMPLE_MAX_WARPS - 1)];
+        const float4* half = reinterpret_cast<const float4*>(maxima) + (tid & 1) * SAMPLE_MAX_WARPS / 8;
+        int larger = 0;
+#pragma unroll
+        for (int q = 0; q < SAMPLE_MAX_WARPS / 8; q++)
+            larger += (half[q].x > mine) + (half[q].y > mine) + (half[q].z > mine) + (half[q].w > mine);
+        larger += __shfl_xor_sync(FULL_MASK, larger, 1);
+        if ((tid >> 1) < W && larger < k) kth = order_key(mine);
     }
     kth = __reduce_min_sync(FULL_MASK, kth);
     if ((tid & 31) == 0) atomicMin(&kth_max, kth);
