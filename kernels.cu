@@ -51,17 +51,20 @@ __device__ __forceinline__ float warp_sum(float v) {
 }
 
 // Split-K (and split-context attention): the blocks of a group each leave a partial result in global memory
-// and count themselves in; the last to arrive (a counter per group, reset for the next launch) merges them.
+// and count themselves in; the last to arrive (a counter per group, reset for the next launch) merges them, reading
+// them from L2 (__ldcg). One acquire-release atomic by thread 0 orders it all: the barrier before it puts the block's
+// writes ahead of its release, and the barrier after puts the last block's reads behind its acquire. (A fence in
+// every thread, then a plain atomic, costs a round trip to L2 more, in every block.)
 __device__ __forceinline__ bool last_to_arrive(int* counter, int blocks) {  // every thread of the block calls it
     __shared__ int last;
-    __threadfence();  // this block's partial result is visible before its arrival is counted
     __syncthreads();
     if (threadIdx.x == 0) {
-        last = atomicAdd(counter, 1) == blocks - 1;
+        int before;
+        asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(before) : "l"(counter) : "memory");
+        last = before == blocks - 1;
         if (last) *counter = 0;
     }
     __syncthreads();
-    if (last) __threadfence();  // ... and the other blocks' are visible to the last one
     return last;
 }
 
@@ -1119,14 +1122,11 @@ __device__ void summarize_warp(const float (&v)[SAMPLE_PER_LANE], int V, int W, 
             cut = hi;
             mine = above(cut);
         }
-        int pos = mine;  // this lane's place in the warp's list: an exclusive prefix sum
-        for (int off = 1; off < 32; off <<= 1) {
-            const int n = __shfl_up_sync(FULL_MASK, pos, off);
-            if (lane >= off) pos += n;
-        }
+        int pos = 0;  // this lane's place in the warp's list: the candidates of the lanes below, a bit at a time
+#pragma unroll
+        for (int b = 0; b < 5; b++) pos += __popc(__ballot_sync(FULL_MASK, mine >> b & 1) & ((1u << lane) - 1)) << b;
         s.cutoff = cut;
-        const int count = __shfl_sync(FULL_MASK, pos, 31);
-        pos -= mine;
+        const int count = __reduce_add_sync(FULL_MASK, mine);
         if (count <= lane && lane < SAMPLE_CAP) out[lane] = 0ull;  // an empty slot
 #pragma unroll
         for (int j = 0; j < SAMPLE_PER_LANE; j++)
@@ -1366,7 +1366,7 @@ __device__ Filters row_filters(int row, int V, const float* temperature, const i
                                const float* min_p, const unsigned long long* seed, const int* step) {
     Filters f;
     f.T = temperature[row];
-    f.inv_t = 1.f / f.T;
+    f.inv_t = __frcp_rn(f.T);  // 1 / T rounded as the division rounds it, without the division's slow path
     f.race_scale = 1.4426950408889634f * f.inv_t;
     f.top_k = top_k[row] < V ? top_k[row] : 0;
     f.top_p = top_p[row];
