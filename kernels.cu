@@ -1036,15 +1036,6 @@ template <typename T> __device__ T block_sum(T v) {  // the same order in every 
     for (int w = 0; w < (int)(blockDim.x >> 5); w++) total += scratch[w];
     return total;
 }
-__device__ float block_min(float v) {
-    __shared__ float scratch[32];
-    for (int off = 16; off > 0; off >>= 1) v = fminf(v, __shfl_xor_sync(FULL_MASK, v, off));
-    __syncthreads();
-    if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
-    __syncthreads();
-    for (int w = 0; w < (int)(blockDim.x >> 5); w++) v = fminf(v, scratch[w]);
-    return v;
-}
 template <typename T> __device__ T block_scan(T v, T& total) {  // the inclusive prefix sum over threads, and the sum
     __shared__ T scratch[32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
@@ -1201,24 +1192,20 @@ __device__ int pick_token(const float* x, int V, int W, const Filters& f, const 
                           const unsigned long long* candidates) {
     __shared__ __align__(16) unsigned long long smem[2 * SAMPLE_HEAD];  // the head's keys and masses, or radix bins
     __shared__ __align__(16) float maxima[SAMPLE_MAX_WARPS];            // the warps' maxima, for top-k's floor
-    __shared__ unsigned bound, kth_max;
+    __shared__ unsigned bound, kth_max, least_finite;
     __shared__ int n_head;
     const int tid = threadIdx.x, nt = blockDim.x, k = f.top_k;
-    float m = NEG_INF, r = NEG_INF;  // the row's max and its first index; the race's best so far and its token
-    int at = V, r_at = V;
-    if (tid == 0) { bound = 0u; kth_max = ~0u; n_head = 0; }
+    if (tid == 0) { bound = 0u; kth_max = least_finite = ~0u; n_head = 0; }
     __syncthreads();
-    unsigned cutoff = 0u;
-    for (int w = tid; w < W; w += nt) {
-        const float wm = __ldcg(&ws[w].max);
-        argmax_merge(m, at, wm, __ldcg(&ws[w].argmax));
-        argmax_merge(r, r_at, __ldcg(&ws[w].race), __ldcg(&ws[w].race_at));
-        cutoff = max(cutoff, __ldcg(&ws[w].cutoff));
-        maxima[w] = wm;
-    }
-    if (W <= tid && tid < SAMPLE_MAX_WARPS) maxima[tid] = NEG_INF;  // padding: never larger
-    cutoff = __reduce_max_sync(FULL_MASK, cutoff);  // a shared atomic per warp, not per thread: they would queue
-    if ((tid & 31) == 0) atomicMax(&bound, cutoff);
+    // warp tid's summary, read once (W <= 128 < 256 threads); the other threads' never win a reduction
+    const bool has = tid < W;
+    const float wm = has ? __ldcg(&ws[tid].max) : NEG_INF, wsum = has ? __ldcg(&ws[tid].sumexp) : 0.f;
+    float m = wm, r = has ? __ldcg(&ws[tid].race) : NEG_INF;  // the row's max; the race's best so far
+    int at = has ? __ldcg(&ws[tid].argmax) : V, r_at = has ? __ldcg(&ws[tid].race_at) : V;  // and their tokens
+    const unsigned cutoff = __reduce_max_sync(FULL_MASK, has ? __ldcg(&ws[tid].cutoff) : 0u);
+    const unsigned lowest = __reduce_min_sync(FULL_MASK, has ? order_key(__ldcg(&ws[tid].min)) : ~0u);
+    if ((tid & 31) == 0) { atomicMax(&bound, cutoff); atomicMin(&least_finite, lowest); }  // an atomic a warp
+    if (tid < SAMPLE_MAX_WARPS) maxima[tid] = wm;
     block_argmax(m, at);
     if (f.T == 0.f) return at;
     if (k == 0) block_argmax(r, r_at);  // every token raced in its warp: the best of the warps' best
@@ -1233,14 +1220,8 @@ __device__ int pick_token(const float* x, int V, int W, const Filters& f, const 
     const bool won_min_p = P(won) >= f.min_p;
     if (k == 0 && f.top_p >= 1.f && won_min_p) return raced;  // min-p alone
     r = NEG_INF, r_at = V;
-    double mass = 0.0;  // top-p alone: the row's mass, from the warps' sums
-    if (k == 0) {
-        for (int w = tid; w < W; w += nt) {
-            const float wm = __ldcg(&ws[w].max);
-            mass += wm == NEG_INF ? 0.0 : __ldcg(&ws[w].sumexp) * (double)P(wm);
-        }
-        mass = block_sum(mass);
-    }
+    // top-p alone: the row's mass, from the warps' sums
+    const double mass = k == 0 ? block_sum(wm == NEG_INF ? 0.0 : wsum * (double)P(wm)) : 0.0;
     // top-p alone keeps a token while the mass above it is below this (in fixed_p's units)
     const unsigned long long row_target = (unsigned long long)((double)f.top_p * mass * 2147483648.0);
 
@@ -1343,9 +1324,7 @@ __device__ int pick_token(const float* x, int V, int W, const Filters& f, const 
         if (block_sum(above) < row_target) return raced;
     }
     // the last resort: thresholds by radix select over the whole row, and the race among all it keeps
-    float lo = -NEG_INF;
-    for (int w = tid; w < W; w += nt) lo = fminf(lo, __ldcg(&ws[w].min));
-    lo = block_min(lo);
+    const float lo = key_float(least_finite);
     const float scale = m > lo ? fminf(4294967040.f / (m - lo), 1e30f) : 0.f;  // 4294967040: the float below 2^32
     auto q = [&](float l) { return l == NEG_INF ? ~0u : (unsigned)fminf((m - l) * scale, 4294967040.f); };
     unsigned t = ~0u, *low = reinterpret_cast<unsigned*>(smem), *high = low + SAMPLE_BINS;  // kept: q <= t
@@ -1397,7 +1376,7 @@ extern "C" __global__ void __launch_bounds__(256) sample_tokens(
     if (w < W) summarize_warp(v, V, W, w, f, ws + w, c + w * SAMPLE_CAP);
     if (!last_to_arrive(&arrivals[row], gridDim.x)) return;
     const int token = pick_token(x, V, W, f, ws, c);
-    if (threadIdx.x == 0) tokens[row] = token;
+    if (threadIdx.x == 0) tokens[row] = token < V ? token : 0;  // V: every logit -inf, and argmax's first index is 0
 }
 
 // ---------------------------------------------------------------------------------------------
