@@ -990,7 +990,7 @@ __device__ __forceinline__ unsigned long long sample_key(unsigned long long seed
 // the race's noise in base 2: -log2(-log2(u)) = (gumbel + ln ln 2) / ln 2, gumbel = -ln(-ln(u)). A token's score,
 // logit / T + gumbel, scaled by 1 / ln 2 and shifted, is logit * log2(e) / T + this: the same race, fewer instructions.
 // The winners come from u near 1, where -log2(u) ~ (1 - u) / ln 2 is tiny and lg2.approx's absolute error (2^-22)
-// swamps it (the noise of a token drawn at u = 1 - 2^-24 came out a whole unit too large): there a series instead.
+// swamps it, so that those very noises come out wrong by up to whole units: there a series instead.
 __device__ __forceinline__ float lg2_approx(float x) {  // MUFU.LG2 alone: x is never denormal here (__log2f checks)
     float y;
     asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -1113,7 +1113,7 @@ __device__ void summarize_warp(const float (&v)[SAMPLE_PER_LANE], int V, int W, 
             cut = hi;
             mine = above(cut);
         }
-        int pos = 0;  // this lane's place in the warp's list: the candidates of the lanes below, a bit at a time
+        int pos = 0;  // this lane's place in the warp's list: the lanes below's candidates, a bit of mine (<= 16) a time
 #pragma unroll
         for (int b = 0; b < 5; b++) pos += __popc(__ballot_sync(FULL_MASK, mine >> b & 1) & ((1u << lane) - 1)) << b;
         s.cutoff = cut;
