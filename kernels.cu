@@ -961,8 +961,8 @@ constexpr int SAMPLE_MAX_WARPS = 128;  // a row's warps at most: V <= 65536 (the
 
 struct WarpSummary {  // one warp's share of a row, for the row's last block
     float max; int argmax;    // the largest logit and its first index
-    float min;                // the least finite logit
     float sumexp;             // sum of exp((logit - max) / T), for top-p alone
+    unsigned lowest;          // the least finite logit's order_key (the last resort's scale)
     unsigned cutoff;          // every logit whose order_key is above it is among the warp's candidates
     float race; int race_at;  // top-k off: the best race score (race_noise's units), and its token
 };
@@ -976,8 +976,8 @@ struct Filters {  // one row's sampling parameters
 };
 
 __device__ __forceinline__ unsigned order_key(float x) {  // unsigned integers that order as the floats do
-    const unsigned u = __float_as_uint(x);
-    return u & 0x80000000u ? ~u : u | 0x80000000u;
+    const unsigned u = __float_as_uint(x);  // negative: all bits flipped; else the sign bit set
+    return u ^ ((unsigned)((int)u >> 31) | 0x80000000u);
 }
 __device__ __forceinline__ float key_float(unsigned k) { return __uint_as_float(k & 0x80000000u ? k & 0x7fffffffu : ~k); }
 
@@ -1053,41 +1053,42 @@ template <typename T> __device__ T block_scan(T v, T& total) {  // the inclusive
 __device__ __forceinline__ unsigned long long fixed_p(float p) { return (unsigned)(p * 2147483648.f); }
 
 // one warp's 512 logits of a row (v: this lane's) -> its WarpSummary and candidates (order key << 32 | token; 0: empty)
-__device__ void summarize_warp(const float (&v)[SAMPLE_PER_LANE], int V, int W, int w, const Filters& f,
-                               WarpSummary* summary, unsigned long long* out) {
-    const int lane = threadIdx.x & 31;
-    auto index = [&](int j) { return (w + j * W) * 32 + lane; };  // this lane's j-th logit
+__device__ void summarize_warp(const float* x, const float (&v)[SAMPLE_PER_LANE], int V, int first, int stride,
+                               const Filters& f, WarpSummary* summary, unsigned long long* out) {
+    const int lane = threadIdx.x & 31;  // v[j] is logit first + j * stride (-inf past the row's end)
     float lane_max = NEG_INF;
     int lane_at = V;
+    if (f.T == 0.f) {  // greedy: the first index of the largest
 #pragma unroll
-    for (int j = 0; j < SAMPLE_PER_LANE; j++)
-        if (v[j] > lane_max) { lane_max = v[j]; lane_at = index(j); }
+        for (int j = 0, i = first; j < SAMPLE_PER_LANE; j++, i += stride)
+            if (v[j] > lane_max) { lane_max = v[j]; lane_at = i; }
+    } else {  // the largest alone: the pick needs no index
+#pragma unroll
+        for (int j = 0; j < SAMPLE_PER_LANE; j++) lane_max = fmaxf(lane_max, v[j]);
+    }
     float m = lane_max;
     int at = lane_at;
     warp_argmax(m, at);
-    WarpSummary s = {m, at, -NEG_INF, 0.f, 0u, NEG_INF, V};
+    WarpSummary s = {m, at, 0.f, ~0u, 0u, NEG_INF, V};
     if (f.T > 0.f && f.top_k == 0) {  // race every logit here: the answer when nothing is filtered, else a first try
         float best = NEG_INF;
         int best_at = V;
 #pragma unroll
-        for (int j = 0; j < SAMPLE_PER_LANE; j++)
-            if (index(j) < V) {  // a lane's indices grow with j: ties keep the first
-                const float score = v[j] * f.race_scale + race_noise(f.key, index(j));
-                if (score > best) { best = score; best_at = index(j); }
-            }
+        for (int j = 0, i = first; j < SAMPLE_PER_LANE; j++, i += stride) {  // ties keep the first: i grows with j
+            const float score = v[j] * f.race_scale + race_noise(f.key, i);  // -inf for -inf (the noise is finite)
+            if (score > best) { best = score; best_at = i; }
+        }
         warp_argmax(best, best_at);
         s.race = best;
         s.race_at = best_at;
     }
     if (f.T > 0.f && !f.races_all) {
-        float least = -NEG_INF, sum = 0.f;  // __expf: masses place top-p's boundary only to within rounding anyway
+        if (f.top_k == 0 && f.top_p < 1.f && m != NEG_INF) {  // __expf: masses place top-p's boundary only to
+            float sum = 0.f;                                     // within rounding anyway
 #pragma unroll
-        for (int j = 0; j < SAMPLE_PER_LANE; j++) {
-            if (v[j] != NEG_INF) least = fminf(least, v[j]);
-            if (f.top_k == 0 && f.top_p < 1.f) sum += m == NEG_INF ? 0.f : __expf((v[j] - m) * f.inv_t);
+            for (int j = 0; j < SAMPLE_PER_LANE; j++) sum += __expf((v[j] - m) * f.inv_t);
+            s.sumexp = warp_sum(sum);
         }
-        s.min = key_float(__reduce_min_sync(FULL_MASK, order_key(least)));
-        s.sumexp = warp_sum(sum);
         unsigned rest = order_key(lane_max), kth = 0u;  // the 8th largest lane maximum: the largest leaves each round
         for (int r = 0; r < SAMPLE_RANK; r++) {
             kth = __reduce_max_sync(FULL_MASK, rest);
@@ -1096,32 +1097,39 @@ __device__ void summarize_warp(const float (&v)[SAMPLE_PER_LANE], int V, int W, 
         unsigned key[SAMPLE_PER_LANE];  // the logits as order keys, made once (the logits are not needed after)
 #pragma unroll
         for (int j = 0; j < SAMPLE_PER_LANE; j++) key[j] = order_key(v[j]);
-        auto above = [&](unsigned cut) {  // how many of the warp's logits have an order key above cut
-            int n = 0;
+        unsigned lowest = ~0u;  // - 0x800000: -inf's key (0x7fffff) wraps to the largest, and no minimum takes it
 #pragma unroll
-            for (int j = 0; j < SAMPLE_PER_LANE; j++) n += key[j] > cut;
-            return n;
+        for (int j = 0; j < SAMPLE_PER_LANE; j++) lowest = min(lowest, key[j] - 0x800000u);
+        s.lowest = __reduce_min_sync(FULL_MASK, lowest) + 0x800000u;  // -inf's key when all are -inf
+        auto above = [&](unsigned cut) {  // which of this lane's logits have an order key above cut: bit j for v[j]
+            unsigned bits = 0u;
+#pragma unroll
+            for (int j = 0; j < SAMPLE_PER_LANE; j++) bits |= (unsigned)(key[j] > cut) << j;
+            return bits;
         };
-        unsigned cut = kth - 1;
-        int mine = above(cut);
-        if (__reduce_add_sync(FULL_MASK, mine) > SAMPLE_CAP) {  // crowded: the least cutoff leaving <= 16
+        unsigned cut = kth - 1, mine = above(cut);
+        if (__reduce_add_sync(FULL_MASK, __popc(mine)) > SAMPLE_CAP) {  // crowded: the least cutoff leaving <= 16
             unsigned lo = cut, hi = order_key(m);
             while (hi - lo > 1) {
                 const unsigned mid = lo + (hi - lo) / 2;
-                if (__reduce_add_sync(FULL_MASK, above(mid)) <= SAMPLE_CAP) hi = mid; else lo = mid;
+                if (__reduce_add_sync(FULL_MASK, __popc(above(mid))) <= SAMPLE_CAP) hi = mid; else lo = mid;
             }
             cut = hi;
             mine = above(cut);
         }
-        int pos = 0;  // this lane's place in the warp's list: the lanes below's candidates, a bit of mine (<= 16) a time
+        const int n = __popc(mine);
+        int pos = 0;  // this lane's place in the warp's list: the lanes below's candidates, a bit of n (<= 16) a time
 #pragma unroll
-        for (int b = 0; b < 5; b++) pos += __popc(__ballot_sync(FULL_MASK, mine >> b & 1) & ((1u << lane) - 1)) << b;
+        for (int b = 0; b < 5; b++) pos += __popc(__ballot_sync(FULL_MASK, n >> b & 1) & ((1u << lane) - 1)) << b;
         s.cutoff = cut;
-        const int count = __reduce_add_sync(FULL_MASK, mine);
+        const int count = __reduce_add_sync(FULL_MASK, n);
         if (count <= lane && lane < SAMPLE_CAP) out[lane] = 0ull;  // an empty slot
-#pragma unroll
-        for (int j = 0; j < SAMPLE_PER_LANE; j++)
-            if (key[j] > cut) out[pos++] = (unsigned long long)key[j] << 32 | (unsigned)index(j);
+        // this lane's candidates, usually none or one: their logits read again (L1) rather than picked out of key[]
+        // by an index only known at run time, which would put key[] in local memory
+        for (; mine; mine &= mine - 1) {
+            const int i = first + (__ffs(mine) - 1) * stride;
+            out[pos++] = (unsigned long long)order_key(x[i]) << 32 | (unsigned)i;
+        }
     }
     if (lane == 0) *summary = s;
 }
@@ -1203,7 +1211,7 @@ __device__ int pick_token(const float* x, int V, int W, const Filters& f, const 
     float m = wm, r = has ? __ldcg(&ws[tid].race) : NEG_INF;  // the row's max; the race's best so far
     int at = has ? __ldcg(&ws[tid].argmax) : V, r_at = has ? __ldcg(&ws[tid].race_at) : V;  // and their tokens
     const unsigned cutoff = __reduce_max_sync(FULL_MASK, has ? __ldcg(&ws[tid].cutoff) : 0u);
-    const unsigned lowest = __reduce_min_sync(FULL_MASK, has ? order_key(__ldcg(&ws[tid].min)) : ~0u);
+    const unsigned lowest = __reduce_min_sync(FULL_MASK, has ? __ldcg(&ws[tid].lowest) : ~0u);
     if ((tid & 31) == 0) { atomicMax(&bound, cutoff); atomicMin(&least_finite, lowest); }  // an atomic a warp
     if (tid < SAMPLE_MAX_WARPS) maxima[tid] = wm;
     block_argmax(m, at);
@@ -1362,18 +1370,17 @@ extern "C" __global__ void __launch_bounds__(256) sample_tokens(
     const float* min_p, const unsigned long long* seed, const int* step, WarpSummary* summary,
     unsigned long long* candidates, int* arrivals, int* tokens) {
     wait_for_inputs();
-    const int row = blockIdx.y, w = blockIdx.x * 8 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    const int row = blockIdx.y, w = blockIdx.x * 8 + (threadIdx.x >> 5), first = w * 32 + (threadIdx.x & 31);
+    const int stride = W * 32;  // this lane's logits: first, first + stride, ... (segment w, w + W, ... of 32)
     const float* x = logits + (long)row * V;
-    float v[SAMPLE_PER_LANE];  // this warp's 512 logits: segment w, w + W, ... of 32
+    const float* p = x + first;
+    float v[SAMPLE_PER_LANE];  // this warp's 512 logits
 #pragma unroll
-    for (int j = 0; j < SAMPLE_PER_LANE; j++) {
-        const int i = (w + j * W) * 32 + lane;
-        v[j] = w < W && i < V ? x[i] : NEG_INF;
-    }
+    for (int j = 0, i = first; j < SAMPLE_PER_LANE; j++, i += stride, p += stride) v[j] = w < W && i < V ? *p : NEG_INF;
     const Filters f = row_filters(row, V, temperature, top_k, top_p, min_p, seed, step);
     WarpSummary* ws = summary + (long)row * W;
     unsigned long long* c = candidates + (long)row * W * SAMPLE_CAP;
-    if (w < W) summarize_warp(v, V, W, w, f, ws + w, c + w * SAMPLE_CAP);
+    if (w < W) summarize_warp(x, v, V, first, stride, f, ws + w, c + w * SAMPLE_CAP);
     if (!last_to_arrive(&arrivals[row], gridDim.x)) return;
     const int token = pick_token(x, V, W, f, ws, c);
     if (threadIdx.x == 0) tokens[row] = token < V ? token : 0;  // V: every logit -inf, and argmax's first index is 0
