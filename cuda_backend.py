@@ -62,7 +62,7 @@ PLAIN = ["matmul_f32", "matmul_skinny", "attention_prefill", "penalize", "sample
          "take_rows"]
 GEMV_SMEM = 224 * 1024  # matmul_gemv keeps x in shared memory: K * 2 bytes at most
 SAMPLE_LOGITS_PER_WARP, SAMPLE_CAP = 512, 16  # kernels.cu's sampler: a warp's share of a row, its candidates
-WARP_SUMMARY_WORDS = 7  # kernels.cu's WarpSummary: max, argmax, sumexp, lowest, cutoff, race, race_at
+WARP_SUMMARY_WORDS = 6  # kernels.cu's WarpSummary: max, argmax, sumexp, cutoff, race, race_at
 SAMPLE_ROWS = 1024  # rows sampled per launch: the scratch between a row's blocks is sized for this many
 SAMPLE_MAX_V = 65536  # the sampler's radix select counts a row in 16-bit halves: rows of at most this many logits
 

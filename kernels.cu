@@ -944,7 +944,7 @@ extern "C" __global__ void penalize(float* logits, int V, const int* rows, const
 // the noise keyed by (seed, step, token) so that nothing else in the batch can move it. The race needs no running sum
 // and the kept set holds the largest logits only, so nothing is sorted. One kernel, 13 blocks a row even at batch 1:
 // - every warp reduces 512 logits of a row (32-logit segments dealt out in turn, so the low ids of common tokens
-//   spread over all warps) to a WarpSummary (max, min, sum of exp for top-p; with top-k off, the race's best) and
+//   spread over all warps) to a WarpSummary (max, sum of exp for top-p; with top-k off, the race's best) and
 //   hands on its largest logits: all above a cutoff, at most 16. The cutoff starts just below its 8th-largest lane
 //   maximum (>= 8 logits lie above that), raised by bisection in the rare warp where more than 16 do;
 // - the row's last block to finish (last_to_arrive) picks the token. With top-k off, the race over every token
@@ -962,7 +962,6 @@ constexpr int SAMPLE_MAX_WARPS = 128;  // a row's warps at most: V <= 65536 (the
 struct WarpSummary {  // one warp's share of a row, for the row's last block
     float max; int argmax;    // the largest logit and its first index
     float sumexp;             // sum of exp((logit - max) / T), for top-p alone
-    unsigned lowest;          // the least finite logit's order_key (the last resort's scale)
     unsigned cutoff;          // every logit whose order_key is above it is among the warp's candidates
     float race; int race_at;  // top-k off: the best race score (race_noise's units), and its token
 };
@@ -1069,7 +1068,7 @@ __device__ void summarize_warp(const float* x, const float (&v)[SAMPLE_PER_LANE]
     float m = lane_max;
     int at = lane_at;
     warp_argmax(m, at);
-    WarpSummary s = {m, at, 0.f, ~0u, 0u, NEG_INF, V};
+    WarpSummary s = {m, at, 0.f, 0u, NEG_INF, V};
     if (f.T > 0.f && f.top_k == 0) {  // race every logit here: the answer when nothing is filtered, else a first try
         float best = NEG_INF;
         int best_at = V;
@@ -1097,10 +1096,6 @@ __device__ void summarize_warp(const float* x, const float (&v)[SAMPLE_PER_LANE]
         unsigned key[SAMPLE_PER_LANE];  // the logits as order keys, made once (the logits are not needed after)
 #pragma unroll
         for (int j = 0; j < SAMPLE_PER_LANE; j++) key[j] = order_key(v[j]);
-        unsigned lowest = ~0u;  // - 0x800000: -inf's key (0x7fffff) wraps to the largest, and no minimum takes it
-#pragma unroll
-        for (int j = 0; j < SAMPLE_PER_LANE; j++) lowest = min(lowest, key[j] - 0x800000u);
-        s.lowest = __reduce_min_sync(FULL_MASK, lowest) + 0x800000u;  // -inf's key when all are -inf
         auto above = [&](unsigned cut) {  // which of this lane's logits have an order key above cut: bit j for v[j]
             unsigned bits = 0u;
 #pragma unroll
@@ -1150,10 +1145,11 @@ template <typename Fn> __device__ void for_each_logit(const float* x, int V, Fn 
     if (tail < V) fn(x[tail], tail);
 }
 
-// The last resort's radix select, over q(logit): the logit's place below the row's max on a 32-bit scale spanning
-// [min, max] (linear in the logit, so the first digit's bins spread the row; float exponents would crowd it). The
-// least t with weight(q <= t) >= target(total weight), over the tokens with q <= limit: three passes of one 11-bit
-// digit each, a histogram in shared memory and a prefix sum over it.
+// The last resort's radix select, over q(logit) = ~order_key(logit): 32 bits that order the logits from the largest
+// down, two floats never sharing one (a linear scale from the row's least logit to its max would tie logits one float
+// apart there: their difference from the max rounds alike). The least t with weight(q <= t) >= target(total
+// weight), over the tokens with q <= limit: three passes of one 11-bit digit each, a histogram in shared memory and
+// a prefix sum over it.
 template <typename Q, typename Weight, typename Target>
 __device__ unsigned radix_select(const float* x, int V, Q q, unsigned limit, Weight weight, Target target_of,
                                  unsigned* low, unsigned* high) {  // a bin's weight: high << 16 + low
@@ -1200,10 +1196,10 @@ __device__ int pick_token(const float* x, int V, int W, const Filters& f, const 
                           const unsigned long long* candidates) {
     __shared__ __align__(16) unsigned long long smem[2 * SAMPLE_HEAD];  // the head's keys and masses, or radix bins
     __shared__ __align__(16) float maxima[SAMPLE_MAX_WARPS];            // the warps' maxima, for top-k's floor
-    __shared__ unsigned bound, kth_max, least_finite;
+    __shared__ unsigned bound, kth_max;
     __shared__ int n_head;
     const int tid = threadIdx.x, nt = blockDim.x, k = f.top_k;
-    if (tid == 0) { bound = 0u; kth_max = least_finite = ~0u; n_head = 0; }
+    if (tid == 0) { bound = 0u; kth_max = ~0u; n_head = 0; }
     __syncthreads();
     // warp tid's summary, read once (W <= 128 < 256 threads); the other threads' never win a reduction
     const bool has = tid < W;
@@ -1211,8 +1207,7 @@ __device__ int pick_token(const float* x, int V, int W, const Filters& f, const 
     float m = wm, r = has ? __ldcg(&ws[tid].race) : NEG_INF;  // the row's max; the race's best so far
     int at = has ? __ldcg(&ws[tid].argmax) : V, r_at = has ? __ldcg(&ws[tid].race_at) : V;  // and their tokens
     const unsigned cutoff = __reduce_max_sync(FULL_MASK, has ? __ldcg(&ws[tid].cutoff) : 0u);
-    const unsigned lowest = __reduce_min_sync(FULL_MASK, has ? __ldcg(&ws[tid].lowest) : ~0u);
-    if ((tid & 31) == 0) { atomicMax(&bound, cutoff); atomicMin(&least_finite, lowest); }  // an atomic a warp
+    if ((tid & 31) == 0) atomicMax(&bound, cutoff);  // an atomic a warp
     if (tid < SAMPLE_MAX_WARPS) maxima[tid] = wm;
     block_argmax(m, at);
     if (f.T == 0.f) return at;
@@ -1332,9 +1327,7 @@ __device__ int pick_token(const float* x, int V, int W, const Filters& f, const 
         if (block_sum(above) < row_target) return raced;
     }
     // the last resort: thresholds by radix select over the whole row, and the race among all it keeps
-    const float lo = key_float(least_finite);
-    const float scale = m > lo ? fminf(4294967040.f / (m - lo), 1e30f) : 0.f;  // 4294967040: the float below 2^32
-    auto q = [&](float l) { return l == NEG_INF ? ~0u : (unsigned)fminf((m - l) * scale, 4294967040.f); };
+    auto q = [](float l) { return ~order_key(l); };  // the largest logit first, and every float its own q
     unsigned t = ~0u, *low = reinterpret_cast<unsigned*>(smem), *high = low + SAMPLE_BINS;  // kept: q <= t
     __syncthreads();  // the head is done with: its memory holds the bins
     if (k > 0)

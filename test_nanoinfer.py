@@ -2052,6 +2052,27 @@ def test_race_noise_where_u_nears_one():
 
 
 @NO_GPU
+def test_radix_select_tells_apart_logits_one_ulp_apart():
+    """top-k 1000 on a row the warps' candidates cannot settle (the last resort, the radix select): the 1000th and
+    1001st largest logits are one float apart, far below the max, and the 1001st has the row's largest noise, so
+    keeping it by mistake makes it win. A linear scale from the row's least logit to its max ties the two."""
+    be = CudaBackend(np.float32)
+    V, k, T = 4096, 1000, np.float32(1000)  # T: a logit moves a score by < 0.3, so the noise decides among the kept
+    keys = ni.sample_key(np.arange(1000, dtype=np.uint64), np.zeros(1000, np.int32))
+    seed = next(s for s, key in enumerate(keys) if np.diff(np.sort(ni.gumbel(key, V))[-2:])[0] > 0.5)
+    order = np.argsort(ni.gumbel(keys[seed], V))[::-1]
+    last, rest = order[0], order[1:]  # the 1001st: the largest noise
+    logits = np.full(V, -200, np.float32)
+    logits[rest[0]], logits[rest[1:999]], logits[rest[999]] = 100, 0, -50  # the max, 998 more, the 1000th
+    logits[last] = np.nextafter(np.float32(-50), np.float32(-np.inf))
+    scale = np.float32(4294967040) / np.float32(300)  # the tie a linear scale makes
+    assert np.float32(100 - logits[last]) * scale == np.float32(100 - logits[rest[999]]) * scale
+    got = be.sample(cp.asarray(logits[None]), np.float32([T]), np.int32([k]), np.float32([1]),
+                    np.uint64([seed]), np.int32([0]), np.float32([0]))[0]
+    assert got == ni.sample_row(logits, T, k, 1.0, keys[seed]) != last, got
+
+
+@NO_GPU
 def test_sample_greedy_and_batch_invariance():
     """Greedy is NumpyBackend.sample's argmax (ties: the first index); a seeded row samples the same token
     wherever it sits in the batch."""
