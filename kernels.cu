@@ -1150,8 +1150,8 @@ template <typename Fn> __device__ void for_each_logit(const float* x, int V, Fn 
 // apart there: their difference from the max rounds alike). The least t with weight(q <= t) >= target(total
 // weight), over the tokens with q <= limit: three passes of one 11-bit digit each, a histogram in shared memory and
 // a prefix sum over it.
-template <typename Q, typename Weight, typename Target>
-__device__ unsigned radix_select(const float* x, int V, Q q, unsigned limit, Weight weight, Target target_of,
+template <typename Weight, typename Target>
+__device__ unsigned radix_select(const float* x, int V, unsigned limit, Weight weight, Target target_of,
                                  unsigned* low, unsigned* high) {  // a bin's weight: high << 16 + low
     __shared__ unsigned chosen;
     __shared__ unsigned long long below;
@@ -1164,7 +1164,7 @@ __device__ unsigned radix_select(const float* x, int V, Q q, unsigned limit, Wei
         if (tid == 0) { chosen = SAMPLE_BINS - 1; below = 0; }
         __syncthreads();
         for_each_logit(x, V, [&](float l, int) {
-            const unsigned qi = q(l);
+            const unsigned qi = ~order_key(l);
             if (qi <= limit && (qi & decided) == prefix) {  // a weight < 2^32 as two 16-bit halves: 32-bit
                 const unsigned b = (qi >> shift) & (SAMPLE_BINS - 1), wt = weight(l);  // adds that return nothing
                 atomicAdd(&low[b], wt & 0xffffu);  // (64-bit shared atomics are a CAS loop), and V < 2^16 of each
@@ -1327,17 +1327,16 @@ __device__ int pick_token(const float* x, int V, int W, const Filters& f, const 
         if (block_sum(above) < row_target) return raced;
     }
     // the last resort: thresholds by radix select over the whole row, and the race among all it keeps
-    auto q = [](float l) { return ~order_key(l); };  // the largest logit first, and every float its own q
     unsigned t = ~0u, *low = reinterpret_cast<unsigned*>(smem), *high = low + SAMPLE_BINS;  // kept: q <= t
     __syncthreads();  // the head is done with: its memory holds the bins
     if (k > 0)
-        t = radix_select(x, V, q, t, [](float) { return 1u; }, [&](unsigned long long) { return (unsigned long long)k; },
+        t = radix_select(x, V, t, [](float) { return 1u; }, [&](unsigned long long) { return (unsigned long long)k; },
                          low, high);
     if (f.top_p < 1.f)
-        t = radix_select(x, V, q, t, [&](float l) { return (unsigned)fixed_p(P(l)); },
+        t = radix_select(x, V, t, [&](float l) { return (unsigned)fixed_p(P(l)); },
                          [&](unsigned long long total) { return (unsigned long long)((double)f.top_p * total); },
                          low, high);
-    for_each_logit(x, V, [&](float l, int i) { if (q(l) <= t && P(l) >= f.min_p) race(l, i); });
+    for_each_logit(x, V, [&](float l, int i) { if (~order_key(l) <= t && P(l) >= f.min_p) race(l, i); });
     block_argmax(r, r_at);
     return r_at;
 }
