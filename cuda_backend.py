@@ -58,12 +58,12 @@ KERNELS_CU = Path(__file__).with_name("kernels.cu")
 TC_TILES = ((128, 128, 3), (128, 144, 3), (128, 128, 4), (64, 128, 3), (64, 128, 8), (64, 32, 8))  # BM, BN, stages
 TEMPLATES = [f"matmul_tc<{bm},{bn},{s}>" for bm, bn, s in TC_TILES] + ["matmul_gemv<4>", "matmul_gemv<8>"] + [
     f"{k}<{t}>" for t in ("float", "half") for k in ("layernorm", "embed", "cache_write", "attention_decode")]
-PLAIN = ["matmul_f32", "matmul_skinny", "attention_prefill", "penalize", "sample_tokens", "decode_advance",
-         "take_rows"]
+PLAIN = ["matmul_f32", "matmul_skinny", "attention_prefill", "penalize", "sample_pass", "sample_pick",
+         "decode_advance", "take_rows"]
 GEMV_SMEM = 224 * 1024  # matmul_gemv keeps x in shared memory: K * 2 bytes at most
 SAMPLE_LOGITS_PER_WARP, SAMPLE_CAP = 512, 16  # kernels.cu's sampler: a warp's share of a row, its candidates
 WARP_SUMMARY_WORDS = 6  # kernels.cu's WarpSummary: max, argmax, sumexp, cutoff, race, race_at
-SAMPLE_ROWS = 1024  # rows sampled per launch: the scratch between a row's blocks is sized for this many
+SAMPLE_ROWS = 1024  # rows sampled per launch: the scratch from the sampler's pass to its pick is sized for this many
 SAMPLE_MAX_V = 65536  # the sampler's radix select counts a row in 16-bit halves: rows of at most this many logits
 
 
@@ -249,7 +249,7 @@ class CudaBackend:
         # split-K scratch, allocated once: a CUDA graph keeps pointers, so nothing it uses may move later
         self._counters = cp.zeros(4096, np.int32)  # split-K and split-context arrival counters (self-resetting)
         self._partial = cp.empty(SPLITK_SCRATCH, np.float32)  # split-K partial sums
-        self._sample_scratch = {}  # V: (WarpSummary bytes, candidates, arrival counters) between a row's blocks
+        self._sample_scratch = {}  # V: (WarpSummary bytes, candidates) from the sampler's pass to its pick
 
     @property
     def tile_min_q(self):
@@ -461,7 +461,7 @@ class CudaBackend:
 
     def sample_device(self, logits, temperature, top_k, top_p, seed, step, min_p):
         """sample() without the copy back: the (R,) int32 token ids on the GPU. A warp per 512 logits of a row reduces
-        them to a summary and <= 16 candidates; the row's last block to finish picks (kernels.cu's sample_tokens)."""
+        them to a summary and <= 16 candidates (sample_pass), then a block a row picks (sample_pick): kernels.cu."""
         logits = self._contiguous(logits, np.float32)
         R, V = logits.shape
         if V > SAMPLE_MAX_V:
@@ -470,16 +470,16 @@ class CudaBackend:
         W = cdiv(V, SAMPLE_LOGITS_PER_WARP)  # warps per row
         if V not in self._sample_scratch:  # kept for good: captured graphs hold its pointers
             self._sample_scratch[V] = (cp.empty((SAMPLE_ROWS, W, WARP_SUMMARY_WORDS), np.int32),
-                                       cp.empty((SAMPLE_ROWS, W, SAMPLE_CAP), np.uint64),
-                                       cp.zeros(SAMPLE_ROWS, np.int32))
+                                       cp.empty((SAMPLE_ROWS, W, SAMPLE_CAP), np.uint64))
         scratch, tokens = self._sample_scratch[V], self.empty((R,), np.int32)
         params = [self._contiguous(a, t) for a, t in ((temperature, np.float32), (top_k, np.int32),
                                                       (top_p, np.float32), (min_p, np.float32), (seed, np.uint64),
                                                       (step, np.int32))]
         for r in range(0, R, SAMPLE_ROWS):
             n, rows = min(SAMPLE_ROWS, R - r), slice(r, r + SAMPLE_ROWS)
-            self.launch("sample_tokens", (cdiv(W, 8), n), (256,),
-                        (logits[rows], np.int32(V), np.int32(W), *(a[rows] for a in params), *scratch, tokens[rows]))
+            args = (logits[rows], np.int32(V), np.int32(W), *(a[rows] for a in params), *scratch)
+            self.launch("sample_pass", (cdiv(W, 8), n), (256,), args)
+            self.launch("sample_pick", (n,), (256,), args + (tokens[rows],))
         return tokens
 
     def sample(self, logits, temperature, top_k, top_p, seed, step, min_p):

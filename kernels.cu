@@ -15,7 +15,7 @@
 //   8. matmul_tc         the tiled tensor-core matmul on wgmma (prefill, decode batches of 9 and more)
 //   9. attention_prefill causal FlashAttention-2 over the paged KV cache, on mma.sync
 //  10. penalize          the logits processors before sampling: repetition, presence, frequency penalties, bans
-//  11. sample_tokens     one token per row: greedy, or an exponential race over the kept tokens
+//  11. sample_pass, sample_pick  one token per row: greedy, or an exponential race over the kept tokens
 //  12. decode_advance    CUDA-graph helper: the next decode step's inputs, made on the GPU
 //  13. take_rows         CUDA-graph helper: out[i] = src[rows[i]]
 
@@ -942,24 +942,27 @@ extern "C" __global__ void penalize(float* logits, int V, const int* rows, const
 // 11. sampling: nanoinfer.sample_row. Greedy takes the row's argmax. Otherwise the exponential race (Gumbel-max): of the
 // kept tokens (top-k, top-p, min-p: thresholds), the one with the largest logit / T + gumbel(key, token) (race_noise),
 // the noise keyed by (seed, step, token) so that nothing else in the batch can move it. The race needs no running sum
-// and the kept set holds the largest logits only, so nothing is sorted. One kernel, 13 blocks a row even at batch 1:
-// - every warp reduces 512 logits of a row (32-logit segments dealt out in turn, so the low ids of common tokens
-//   spread over all warps) to a WarpSummary (max, sum of exp for top-p; with top-k off, the race's best) and
-//   hands on its largest logits: all above a cutoff, at most 16. The cutoff starts just below its 8th-largest lane
-//   maximum (>= 8 logits lie above that), raised by bisection in the rare warp where more than 16 do;
-// - the row's last block to finish (last_to_arrive) picks the token. With top-k off, the race over every token
-//   stands whenever its winner is kept (probability >= top_p): only that is checked. Otherwise every logit above
-//   the largest cutoff (the "head", ~300 of GPT-2's 50257 on random logits; with top-k only those at or above the
-//   k-th largest warp maximum) is a candidate. When the head holds every kept token (the usual case) each entry
-//   counts the entries above it and their mass, which decides top-k and top-p for it, and the kept entries race.
-//   Otherwise (a flat row, a large k) the thresholds come from a radix select over the whole row (three passes
-//   each), and the kept tokens race in one more.
-// Reads 4 bytes a logit once (the pick's passes hit L2); a few FLOPs a logit, ~25 more to race it.
+// and the kept set holds the largest logits only, so nothing is sorted. Two kernels:
+// - sample_pass, 13 blocks a row even at batch 1: every warp reduces 512 logits of a row (32-logit segments dealt out
+//   in turn, so the low ids of common tokens spread over all warps) to a WarpSummary (max, sum of exp for top-p; with
+//   top-k off, the race's best) and hands on its largest logits: all above a cutoff, at most 16. The cutoff starts
+//   just below its 8th-largest lane maximum (>= 8 logits lie above that), raised by bisection in the rare warp where
+//   more than 16 do;
+// - sample_pick, a block a row, picks the token. With top-k off, the race over every token stands whenever its winner
+//   is kept (probability >= top_p): only that is checked. Otherwise every logit above the largest cutoff (the "head",
+//   ~300 of GPT-2's 50257 on random logits; with top-k only those at or above the k-th largest warp maximum) is a
+//   candidate. When the head holds every kept token (the usual case) each entry counts the entries above it and
+//   their mass, which decides top-k and top-p for it, and the kept entries race. Otherwise (a flat row, a large k)
+//   the thresholds come from a radix select over the whole row (three passes each), and the kept tokens race in one
+//   more.
+// The pick is a kernel of its own rather than the last of a row's blocks to finish the pass: counting arrivals held
+// every block of the pass until its atomic returned, and the pick's 64 registers capped the pass (40 alone) at 4
+// blocks an SM. Reads 4 bytes a logit once (the pick's passes hit L2); a few FLOPs a logit, ~25 more to race it.
 constexpr int SAMPLE_PER_LANE = 16, SAMPLE_RANK = 8, SAMPLE_CAP = 16;  // a warp's 512 logits; its candidates
 constexpr int SAMPLE_HEAD = 1024, SAMPLE_BINS = 2048;  // the pick's head; the radix select's bins (11-bit digits)
 constexpr int SAMPLE_MAX_WARPS = 128;  // a row's warps at most: V <= 65536 (the radix select's 16-bit counts)
 
-struct WarpSummary {  // one warp's share of a row, for the row's last block
+struct WarpSummary {  // one warp's share of a row, for the row's pick
     float max; int argmax;    // the largest logit and its first index
     float sumexp;             // sum of exp((logit - max) / T), for top-p alone
     unsigned cutoff;          // every logit whose order_key is above it is among the warp's candidates
@@ -1129,7 +1132,7 @@ __device__ void summarize_warp(const float* x, const float (&v)[SAMPLE_PER_LANE]
     if (lane == 0) *summary = s;
 }
 
-// fn(logit, index) for every logit of a row, by the whole block: a pass of the row's last block, which it read a moment
+// fn(logit, index) for every logit of a row, by the whole block: a pass of the pick's, over a row the pass read a moment
 // ago (L2). 16-byte loads, eight in flight a thread: one block alone must keep ~32 KB on the way to stream a row.
 template <typename Fn> __device__ void for_each_logit(const float* x, int V, Fn fn) {
     const int head = min(V, (int)((16 - ((size_t)x & 15)) & 15) / 4), n4 = (V - head) / 4;  // floats before 16 B
@@ -1191,7 +1194,7 @@ __device__ unsigned radix_select(const float* x, int V, unsigned limit, Weight w
     return prefix;
 }
 
-// the row's last block: the token, from the warps' summaries and candidates (see the section's head)
+// the row's pick: the token, from the warps' summaries and candidates (see the section's head)
 __device__ int pick_token(const float* x, int V, int W, const Filters& f, const WarpSummary* ws,
                           const unsigned long long* candidates) {
     __shared__ __align__(16) unsigned long long smem[2 * SAMPLE_HEAD];  // the head's keys and masses, or radix bins
@@ -1355,12 +1358,12 @@ __device__ Filters row_filters(int row, int V, const float* temperature, const i
     return f;
 }
 
-// A block per 8 warps' share of a row (13 blocks a row for GPT-2): the logits are loaded first, on their way while the
-// row's parameters come; the row's last block to finish picks its token.
-extern "C" __global__ void __launch_bounds__(256) sample_tokens(
+// The pass: a block per 8 warps' share of a row (13 blocks a row for GPT-2). The logits are loaded first, on their way
+// while the row's parameters come.
+extern "C" __global__ void __launch_bounds__(256) sample_pass(
     const float* logits, int V, int W, const float* temperature, const int* top_k, const float* top_p,
     const float* min_p, const unsigned long long* seed, const int* step, WarpSummary* summary,
-    unsigned long long* candidates, int* arrivals, int* tokens) {
+    unsigned long long* candidates) {
     wait_for_inputs();
     const int row = blockIdx.y, w = blockIdx.x * 8 + (threadIdx.x >> 5), first = w * 32 + (threadIdx.x & 31);
     const int stride = W * 32;  // this lane's logits: first, first + stride, ... (segment w, w + W, ... of 32)
@@ -1370,11 +1373,20 @@ extern "C" __global__ void __launch_bounds__(256) sample_tokens(
 #pragma unroll
     for (int j = 0, i = first; j < SAMPLE_PER_LANE; j++, i += stride, p += stride) v[j] = w < W && i < V ? *p : NEG_INF;
     const Filters f = row_filters(row, V, temperature, top_k, top_p, min_p, seed, step);
-    WarpSummary* ws = summary + (long)row * W;
-    unsigned long long* c = candidates + (long)row * W * SAMPLE_CAP;
-    if (w < W) summarize_warp(x, v, V, first, stride, f, ws + w, c + w * SAMPLE_CAP);
-    if (!last_to_arrive(&arrivals[row], gridDim.x)) return;
-    const int token = pick_token(x, V, W, f, ws, c);
+    const long at = (long)row * W + w;  // this warp's summary
+    if (w < W) summarize_warp(x, v, V, first, stride, f, summary + at, candidates + at * SAMPLE_CAP);
+}
+
+// The pick: a block a row.
+extern "C" __global__ void __launch_bounds__(256) sample_pick(
+    const float* logits, int V, int W, const float* temperature, const int* top_k, const float* top_p,
+    const float* min_p, const unsigned long long* seed, const int* step, const WarpSummary* summary,
+    const unsigned long long* candidates, int* tokens) {
+    wait_for_inputs();
+    const int row = blockIdx.x;
+    const Filters f = row_filters(row, V, temperature, top_k, top_p, min_p, seed, step);
+    const int token = pick_token(logits + (long)row * V, V, W, f, summary + (long)row * W,
+                                 candidates + (long)row * W * SAMPLE_CAP);
     if (threadIdx.x == 0) tokens[row] = token < V ? token : 0;  // V: every logit -inf, and argmax's first index is 0
 }
 

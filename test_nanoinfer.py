@@ -1993,7 +1993,7 @@ def test_attention_head_dim():
 def test_sample_matches_definition():
     """Each row's token is the one nanoinfer.sample_row picks under greedy, temperature, top-k (also k > V), top-p,
     min-p and their mixes, at GPT-2's vocabulary, where the kernels split each row among 99 warps and both of
-    sample_tokens' ways run (the race standing, the head, the radix select over the whole row); another token only
+    the sampler's ways run (the race standing, the head, the radix select over the whole row); another token only
     at a near tie."""
     be = CudaBackend(np.float16)
     V = 50257
