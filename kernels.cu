@@ -15,7 +15,7 @@
 //   8. matmul_tc         the tiled tensor-core matmul on wgmma (prefill, decode batches of 9 and more)
 //   9. attention_prefill causal FlashAttention-2 over the paged KV cache, on mma.sync
 //  10. penalize          the logits processors before sampling: repetition, presence, frequency penalties, bans
-//  11. sample_pass, sample_pick  one token per row: greedy, or an exponential race over the kept tokens
+//  11. sample_pass/pick  one token per row: greedy, or an exponential race over the kept tokens
 //  12. decode_advance    CUDA-graph helper: the next decode step's inputs, made on the GPU
 //  13. take_rows         CUDA-graph helper: out[i] = src[rows[i]]
 
@@ -1132,8 +1132,8 @@ __device__ void summarize_warp(const float* x, const float (&v)[SAMPLE_PER_LANE]
     if (lane == 0) *summary = s;
 }
 
-// fn(logit, index) for every logit of a row, by the whole block: a pass of the pick's, over a row the pass read a moment
-// ago (L2). 16-byte loads, eight in flight a thread: one block alone must keep ~32 KB on the way to stream a row.
+// fn(logit, index) for every logit of a row, by the whole block: a pass of the pick's, over a row the pass has just
+// read (mostly L2). 16-byte loads, eight in flight a thread: one block alone must keep ~32 KB on the way to stream a row.
 template <typename Fn> __device__ void for_each_logit(const float* x, int V, Fn fn) {
     const int head = min(V, (int)((16 - ((size_t)x & 15)) & 15) / 4), n4 = (V - head) / 4;  // floats before 16 B
     if ((int)threadIdx.x < head) fn(x[threadIdx.x], threadIdx.x);
