@@ -956,8 +956,8 @@ extern "C" __global__ void penalize(float* logits, int V, const int* rows, const
 //   the thresholds come from a radix select over the whole row (three passes each), and the kept tokens race in one
 //   more.
 // The pick is a kernel of its own rather than the last of a row's blocks to finish the pass: counting arrivals held
-// every block of the pass until its atomic returned, and the pick's 64 registers capped the pass (40 alone) at 4
-// blocks an SM. Reads 4 bytes a logit once (the pick's passes hit L2); a few FLOPs a logit, ~25 more to race it.
+// every block of the pass until its atomic returned, and a kernel gets the registers of its largest part: the
+// pick's capped the pass (40 alone) at 4 blocks an SM. Reads 4 bytes a logit once (the pick's passes hit L2); a few FLOPs a logit, ~25 more to race it.
 constexpr int SAMPLE_PER_LANE = 16, SAMPLE_RANK = 8, SAMPLE_CAP = 16;  // a warp's 512 logits; its candidates
 constexpr int SAMPLE_HEAD = 1024, SAMPLE_BINS = 2048;  // the pick's head; the radix select's bins (11-bit digits)
 constexpr int SAMPLE_MAX_WARPS = 128;  // a row's warps at most: V <= 65536 (the radix select's 16-bit counts)
@@ -1377,8 +1377,9 @@ extern "C" __global__ void __launch_bounds__(256) sample_pass(
     if (w < W) summarize_warp(x, v, V, first, stride, f, summary + at, candidates + at * SAMPLE_CAP);
 }
 
-// The pick: a block a row.
-extern "C" __global__ void __launch_bounds__(256) sample_pick(
+// The pick: a block a row. Two blocks an SM are all a batch of 256 rows needs: the bound lets ptxas give the pick the
+// registers it wants (with 256 threads alone it held it to 64, and the pick lost time to that).
+extern "C" __global__ void __launch_bounds__(256, 2) sample_pick(
     const float* logits, int V, int W, const float* temperature, const int* top_k, const float* top_p,
     const float* min_p, const unsigned long long* seed, const int* step, const WarpSummary* summary,
     const unsigned long long* candidates, int* tokens) {
