@@ -1257,19 +1257,26 @@ __device__ int pick_token(const float* x, int V, int W, const Filters& f, const 
             const int i = first + j * nt + tid;
             c[j] = i < W * SAMPLE_CAP ? __ldcg(&candidates[i]) : 0ull;
         }
+        unsigned kept[8];  // which lanes keep their j-th candidate
+        int n = 0;         // the warp's entries, all 8 rounds
 #pragma unroll
-        for (int j = 0; j < 8; j++) {  // a warp's entries take consecutive slots: one shared atomic per warp
-            const unsigned key = (unsigned)(c[j] >> 32);
-            const bool keep = key >= least;
-            const unsigned ballot = __ballot_sync(FULL_MASK, keep);
-            int slot = 0;
-            if ((tid & 31) == 0 && ballot) slot = atomicAdd(&n_head, __popc(ballot));
-            slot = __shfl_sync(FULL_MASK, slot, 0) + __popc(ballot & ((1u << (tid & 31)) - 1));
-            if (keep) {  // in any order: nothing below depends on it
+        for (int j = 0; j < 8; j++) {
+            kept[j] = __ballot_sync(FULL_MASK, (unsigned)(c[j] >> 32) >= least);
+            n += __popc(kept[j]);
+        }
+        int slot = 0;  // the warp's entries take consecutive slots: one shared atomic a warp, not one a round
+        if ((tid & 31) == 0 && n) slot = atomicAdd(&n_head, n);
+        slot = __shfl_sync(FULL_MASK, slot, 0);
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            const int at = slot + __popc(kept[j] & ((1u << (tid & 31)) - 1));
+            slot += __popc(kept[j]);
+            if (kept[j] >> (tid & 31) & 1) {  // in any order: nothing below depends on it
+                const unsigned key = (unsigned)(c[j] >> 32);
                 const unsigned long long p = fixed_p(P(key_float(key)));
                 in_mass += p;
                 if (key > order_key(won)) above_won += p;
-                if (slot < SAMPLE_HEAD) { head[slot] = c[j]; head_mass[slot] = p; }
+                if (at < SAMPLE_HEAD) { head[at] = c[j]; head_mass[at] = p; }
             }
         }
     }
