@@ -957,7 +957,8 @@ extern "C" __global__ void penalize(float* logits, int V, const int* rows, const
 //   more.
 // The pick is a kernel of its own rather than the last of a row's blocks to finish the pass: counting arrivals held
 // every block of the pass until its atomic returned, and a kernel gets the registers of its largest part: the
-// pick's capped the pass (40 alone) at 4 blocks an SM. Reads 4 bytes a logit once (the pick's passes hit L2); a few FLOPs a logit, ~25 more to race it.
+// pick's capped the pass (40 alone) at 4 blocks an SM. Reads 4 bytes a logit once (the pick's passes hit L2); a few
+// FLOPs a logit, ~25 more to race it.
 constexpr int SAMPLE_PER_LANE = 16, SAMPLE_RANK = 8, SAMPLE_CAP = 16;  // a warp's 512 logits; its candidates
 constexpr int SAMPLE_HEAD = 1024, SAMPLE_BINS = 2048;  // the pick's head; the radix select's bins (11-bit digits)
 constexpr int SAMPLE_MAX_WARPS = 128;  // a row's warps at most: V <= 65536 (the radix select's 16-bit counts)
@@ -1269,14 +1270,14 @@ __device__ int pick_token(const float* x, int V, int W, const Filters& f, const 
         slot = __shfl_sync(FULL_MASK, slot, 0);
 #pragma unroll
         for (int j = 0; j < 8; j++) {
-            const int at = slot + __popc(kept[j] & ((1u << (tid & 31)) - 1));
+            const int place = slot + __popc(kept[j] & ((1u << (tid & 31)) - 1));
             slot += __popc(kept[j]);
             if (kept[j] >> (tid & 31) & 1) {  // in any order: nothing below depends on it
                 const unsigned key = (unsigned)(c[j] >> 32);
                 const unsigned long long p = fixed_p(P(key_float(key)));
                 in_mass += p;
                 if (key > order_key(won)) above_won += p;
-                if (at < SAMPLE_HEAD) { head[at] = c[j]; head_mass[at] = p; }
+                if (place < SAMPLE_HEAD) { head[place] = c[j]; head_mass[place] = p; }
             }
         }
     }
