@@ -65,6 +65,7 @@ SAMPLE_LOGITS_PER_WARP, SAMPLE_CAP = 512, 16  # kernels.cu's sampler: a warp's s
 WARP_SUMMARY_WORDS = 6  # kernels.cu's WarpSummary: max, argmax, sumexp, cutoff, race, race_at
 SAMPLE_ROWS = 1024  # rows sampled per launch: the scratch from the sampler's pass to its pick is sized for this many
 SAMPLE_MAX_V = 65536  # the sampler's radix select counts a row in 16-bit halves: rows of at most this many logits
+LOGIT_SEGMENT = 32  # kernels.cu's: matmul_tc leaves the max of each segment of this many logits for the sampler
 
 
 def tc_smem(bm, bn, stages):
@@ -146,6 +147,7 @@ class MatmulPlan:
     k_per_split: int = 0
     ln_fused: bool = False  # the layernorm in front runs in the kernel's prologue (else as a kernel of its own)
     rows_per_launch: int = 0  # M in launches of this many rows (0: one launch), each with its grid's rows
+    segment_maxima: bool = False  # matmul_tc, whole segments a tile and one K split: it can leave the logits' maxima
 
 
 def split_k(blocks, per_sm, K, most, MN, num_sms):
@@ -169,7 +171,7 @@ def plan_matmul(M, N, K, ln, dtype, num_sms, invariant=False):
         splits, k_per_split = split_k(cdiv(N, 32), 2, K, most, 64 * N, num_sms)
         rows = min(M, max(64, SPLITK_SCRATCH // (N * splits) // 64 * 64) if splits > 1 else M)
         return MatmulPlan("matmul_tc<64,32,8>", (cdiv(N, 32), cdiv(rows, 64), splits), 128, tc_smem(64, 32, 8),
-                          splits, k_per_split, rows_per_launch=rows)
+                          splits, k_per_split, rows_per_launch=rows, segment_maxima=splits == 1)
     if M == 1 and K * 2 <= GEMV_SMEM and N <= 16384 and (not ln or K <= 2048):
         # one stream's decode: a warp per row of w; the lm_head's 50257 rows stream as fast through the tensor cores
         light = N * K * 2 <= GEMV_LIGHT  # 4 loads per lane per round leave room for the next kernel's blocks
@@ -196,7 +198,7 @@ def plan_matmul(M, N, K, ln, dtype, num_sms, invariant=False):
     most = cdiv(K, 64) // 12 if N % 4 == 0 else 1
     splits, k_per_split = split_k(cdiv(M, bm) * cdiv(N, bn), per_sm, K, most, M * N, num_sms)
     return MatmulPlan(f"matmul_tc<{bm},{bn},{stages}>", (cdiv(N, bn), cdiv(M, bm), splits), 2 * bm,
-                      tc_smem(bm, bn, stages), splits, k_per_split)
+                      tc_smem(bm, bn, stages), splits, k_per_split, segment_maxima=bn % LOGIT_SEGMENT == 0 and splits == 1)
 
 
 def plan_attention(cu_seqlens_q, context_lens, min_q):
@@ -250,6 +252,7 @@ class CudaBackend:
         self._counters = cp.zeros(4096, np.int32)  # split-K and split-context arrival counters (self-resetting)
         self._partial = cp.empty(SPLITK_SCRATCH, np.float32)  # split-K partial sums
         self._sample_scratch = {}  # V: (WarpSummary bytes, candidates) from the sampler's pass to its pick
+        self.segment_maxima = None  # (logits, (R, V / 32) each 32 logits' max): the lm_head's, for the sampler
 
     @property
     def tile_min_q(self):
@@ -373,20 +376,26 @@ class CudaBackend:
         y = self.empty((M, N), np.float32 if f32 else self.dtype)
         if M == 0 or N == 0:
             return y
+        maxima = None  # the logits (fp32 out of fp16 weights, a plain product): matmul_tc also takes each segment's
+        if self.fuse and f32 and self.dtype == np.float16 and plan.segment_maxima and not (bias is not None or gelu
+                                                                                           or residual is not None):
+            maxima = self.empty((M, cdiv(N, LOGIT_SEGMENT)), np.float32)  # max from its accumulators, so that the
+            self.segment_maxima = (y, maxima)  # sampler after it need not read the whole row
         bias = 0 if bias is None else self._contiguous(bias)
         residual = None if residual is None else self._contiguous(residual)
         step = plan.rows_per_launch
         if not step or step >= M:
-            self._matmul_launch(plan, plan.grid, x, w, bias, residual, y, gelu, f32, ln)
+            self._matmul_launch(plan, plan.grid, x, w, bias, residual, y, gelu, f32, ln, maxima)
         else:  # batch-invariant plans: M in launches whose split-K partial sums fit the scratch (64-row tiles)
             for r in range(0, M, step):
                 m = min(step, M - r)
                 self._matmul_launch(plan, (plan.grid[0], cdiv(m, 64), plan.grid[2]), x[r:r + m], w, bias,
-                                    None if residual is None else residual[r:r + m], y[r:r + m], gelu, f32, ln)
+                                    None if residual is None else residual[r:r + m], y[r:r + m], gelu, f32, ln,
+                                    None if maxima is None else maxima[r:r + m])
         return y if out_dtype is None else y.astype(out_dtype, copy=False)
 
-    def _matmul_launch(self, plan, grid, x, w, bias, residual, y, gelu, f32, ln):
-        """One launch of plan's kernel over these rows of x, y (and residual) on this grid."""
+    def _matmul_launch(self, plan, grid, x, w, bias, residual, y, gelu, f32, ln, maxima=None):
+        """One launch of plan's kernel over these rows of x, y (and residual, maxima) on this grid."""
         M, K = x.shape
         args = (x, w, bias, 0 if residual is None else residual, y, np.int32(M), np.int32(len(w)), np.int32(K),
                 np.int32(bool(gelu)))
@@ -395,6 +404,7 @@ class CudaBackend:
             args += (np.int32(f32), ln_w, ln_b, np.float32(eps))
         elif plan.kernel != "matmul_f32":
             args += (np.int32(f32), np.int32(plan.k_per_split), self._partial, self._counters)
+            args += (0 if maxima is None else maxima,) if plan.kernel.startswith("matmul_tc") else ()
         self.launch(plan.kernel, grid, (plan.block,), args, shared_mem=plan.shared_mem)
 
     def cache_write(self, k, v, k_cache, v_cache, slot_mapping):
@@ -452,6 +462,7 @@ class CudaBackend:
 
     def penalize(self, logits, e):
         """NumpyBackend.penalize, in place on the (R, V) fp32 logits."""
+        self.segment_maxima = None  # edited logits: the lm_head's maxima no longer hold
         logits, E = self._contiguous(logits, np.float32), len(e.ids)
         if E:
             self.launch("penalize", (-(-E // 256),), (256,), (logits, np.int32(logits.shape[1]), *(
@@ -461,7 +472,10 @@ class CudaBackend:
 
     def sample_device(self, logits, temperature, top_k, top_p, seed, step, min_p):
         """sample() without the copy back: the (R,) int32 token ids on the GPU. A warp per 512 logits of a row reduces
-        them to a summary and <= 16 candidates (sample_pass), then a block a row picks (sample_pick): kernels.cu."""
+        them to a summary and <= 16 candidates (sample_pass), then a block a row picks (sample_pick): kernels.cu.
+        Logits straight from the lm_head come with its segment maxima: greedy and top-k rows skip the pass."""
+        made, self.segment_maxima = self.segment_maxima, None  # (held on, it would keep the logits' memory)
+        maxima = made[1] if made is not None and made[0] is logits else None
         logits = self._contiguous(logits, np.float32)
         R, V = logits.shape
         if V > SAMPLE_MAX_V:
@@ -477,7 +491,8 @@ class CudaBackend:
                                                       (step, np.int32))]
         for r in range(0, R, SAMPLE_ROWS):
             n, rows = min(SAMPLE_ROWS, R - r), slice(r, r + SAMPLE_ROWS)
-            args = (logits[rows], np.int32(V), np.int32(W), *(a[rows] for a in params), *scratch)
+            args = (logits[rows], 0 if maxima is None else maxima[rows], np.int32(V), np.int32(W),
+                    *(a[rows] for a in params), *scratch)
             self.launch("sample_pass", (cdiv(W, 8), n), (256,), args)
             self.launch("sample_pick", (n,), (256,), args + (tokens[rows],))
         return tokens

@@ -22,6 +22,7 @@
 #include <cuda_fp16.h>
 #define NEG_INF __int_as_float(0xff800000)
 #define FULL_MASK 0xffffffffu
+constexpr int LOGIT_SEGMENT = 32;  // the lm_head's logits: matmul_tc leaves each segment's max for the sampler (11)
 
 // ---------------------------------------------------------------------------------------------
 // common helpers
@@ -657,11 +658,13 @@ template <int N> __device__ __forceinline__ void wgmma_commit_and_wait() {  // a
 // batches of 9-512 rows: 64-row tiles, 8 stages, 32 wide while those fill at most two blocks per SM (more tiles of fewer
 // k-steps finish sooner, as in cuBLAS); K split over blockIdx.z as in matmul_skinny. Each thread copies one 16-byte
 // chunk of every (threads/8)-th row, which the swizzle lands at the same column of each: a constant stride apart. Rows
-// past M, N and chunks past K are zero-filled (K % 8 == 0 suffices).
+// past M, N and chunks past K are zero-filled (K % 8 == 0 suffices). The lm_head's logits (segment_max set: a plain
+// product, one K split, BN a multiple of 32) also leave each row's 32-logit segment maxima, from the accumulators
+// through shared memory so that the stores coalesce: the sampler need not read the logits (section 11), 1/32 more bytes.
 template <int BM, int BN, int STAGES>
 __global__ void __launch_bounds__(BM * 2, 256 / BM) matmul_tc(
     const half* x, const half* __restrict__ w, const half* __restrict__ bias, const half* residual, void* __restrict__ y,
-    int M, int N, int K, int gelu, int y_f32, int k_per_split, float* partial, int* counters) {
+    int M, int N, int K, int gelu, int y_f32, int k_per_split, float* partial, int* counters, float* segment_max) {
     constexpr int BK = 64, THREADS = BM * 2, RSTEP = THREADS / 8;
     constexpr int A_BYTES = BM * BK * 2, STAGE_BYTES = (BM + BN) * BK * 2;
     extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -730,14 +733,31 @@ __global__ void __launch_bounds__(BM * 2, 256 / BM) matmul_tc(
     // rows: coalesced stores and split-K sums, not scattered pairs, and an epilogue loop, not 64 unrolled copies.
     constexpr int TLD = BN + 8;  // row pitch (floats): the float2 writes miss no bank
     constexpr int RUNS = BM * BN / 4 / THREADS, IN_FLIGHT = RUNS < 8 ? RUNS : 8;  // float4 runs per thread
-    static_assert(BM * TLD * 4 <= STAGES * STAGE_BYTES, "the tile of y fits in the pipeline's stages");
+    constexpr int SEGS = BN / LOGIT_SEGMENT, MLD = SEGS * 4 + 4;  // segments a row of the tile; their lanes' maxima
+    static_assert(BM * (TLD + MLD) * 4 <= STAGES * STAGE_BYTES, "the tile of y fits in the pipeline's stages");
     cp_async_wait<0>();
     __syncthreads();
     float* tile = reinterpret_cast<float*>(smem_raw + (smem - smem_addr(smem_raw)));  // (BM, TLD) fp32
+    float* lane_max = tile + BM * TLD;  // (BM, MLD): segment s of a row from 4 lanes at 4 s .. 4 s + 3
     const int lane = tid & 31, rw = wg * 64 + (tid & 127) / 32 * 16 + (lane >> 2), cw = 2 * (lane & 3);
 #pragma unroll
     for (int i = 0; i < BN / 2; i += 2)  // acc[4 j + 2 hf + e] is the tile's (rw + 8 hf, 8 j + cw + e)
         *reinterpret_cast<float2*>(&tile[(rw + (i & 2) * 4) * TLD + (i >> 2) * 8 + cw]) = make_float2(acc[i], acc[i + 1]);
+    if (BN % LOGIT_SEGMENT == 0 && segment_max) {  // the lm_head's logits (a plain product, one K split): each
+        const bool edge = n0 + BN > N;  // segment's max, for the sampler (section 11). acc[i .. i + 15], i = 16 s:
+#pragma unroll                         // segment s of rows rw and rw + 8, 8 values a lane, a quad's 32
+        for (int i = 0; i < BN / 2; i += 16)
+#pragma unroll
+            for (int hf = 0; hf < 2; hf++) {
+                float most = NEG_INF;
+#pragma unroll
+                for (int j = 0; j < 4; j++)
+#pragma unroll
+                    for (int e = 0; e < 2; e++)
+                        if (!edge || n0 + 2 * i + 8 * j + cw + e < N) most = fmaxf(most, acc[i + 4 * j + 2 * hf + e]);
+                lane_max[(rw + 8 * hf) * MLD + i / 4 + (lane & 3)] = most;
+            }
+    }
     __syncthreads();
     auto run = [&](int u, int& r, int& c) { int q = tid + u * THREADS; r = q / (BN / 4); c = q % (BN / 4) * 4; };
     if (gridDim.z > 1) {  // split-K (N % 4 == 0): leave this split's sums, and the last block adds all up
@@ -786,6 +806,14 @@ __global__ void __launch_bounds__(BM * 2, 256 / BM) matmul_tc(
             *reinterpret_cast<uint2*>(reinterpret_cast<half*>(y) + (long)row * N + col) = *reinterpret_cast<uint2*>(h);
         } else {
             for (int e = 0; e < 4 && col + e < N; e++) store_y(y, (long)row * N + col + e, v[e], y_f32);
+        }
+    }
+    if (BN % LOGIT_SEGMENT == 0 && segment_max) {  // a row's maxima side by side
+        const int S = (N + LOGIT_SEGMENT - 1) / LOGIT_SEGMENT, s0 = n0 / LOGIT_SEGMENT;
+        for (int q = tid; q < BM * SEGS; q += THREADS) {
+            const int r = q / SEGS, s = q % SEGS;
+            const float4 p = *reinterpret_cast<const float4*>(&lane_max[r * MLD + 4 * s]);
+            if (m0 + r < M && s0 + s < S) segment_max[(long)(m0 + r) * S + s0 + s] = fmaxf(fmaxf(p.x, p.y), fmaxf(p.z, p.w));
         }
     }
 }
@@ -959,6 +987,9 @@ extern "C" __global__ void penalize(float* logits, int V, const int* rows, const
 // every block of the pass until its atomic returned, and a kernel gets the registers of its largest part: the
 // pick's capped the pass (40 alone) at 4 blocks an SM. Reads 4 bytes a logit once (the pick's passes hit L2); a few
 // FLOPs a logit, ~25 more to race it.
+// Logits that matmul_tc made (the lm_head of 9 rows and more) come with each 32-logit segment's max: greedy and top-k
+// rows then skip the pass, and the pick reads the maxima and the few segments that can hold the top k
+// (pick_from_maxima): 1 / 32 of the bytes, where a pass at batch 256 reads 51 MB.
 constexpr int SAMPLE_PER_LANE = 16, SAMPLE_RANK = 8, SAMPLE_CAP = 16;  // a warp's 512 logits; its candidates
 constexpr int SAMPLE_HEAD = 1024, SAMPLE_BINS = 2048;  // the pick's head; the radix select's bins (11-bit digits)
 constexpr int SAMPLE_MAX_WARPS = 128;  // a row's warps at most: V <= 65536 (the radix select's 16-bit counts)
@@ -1149,6 +1180,30 @@ template <typename Fn> __device__ void for_each_logit(const float* x, int V, Fn 
     if (tail < V) fn(x[tail], tail);
 }
 
+// The least of SAMPLE_BINS bins whose bins up to it weigh >= target (set from the bins' total by target_of), and the
+// weight of the bins below it, in every thread; past the total, the last bin. Each thread sums SAMPLE_BINS / nt bins.
+template <typename Weight, typename Target>
+__device__ unsigned bin_reaching(Weight weight, Target target_of, unsigned long long& target, unsigned long long& below) {
+    __shared__ unsigned chosen;
+    __shared__ unsigned long long chosen_below;
+    const int tid = threadIdx.x, per = SAMPLE_BINS / blockDim.x;
+    if (tid == 0) { chosen = SAMPLE_BINS - 1; chosen_below = 0; }
+    unsigned long long mine = 0, total;  // this thread's bins: [tid * per, tid * per + per)
+    for (int b = tid * per; b < tid * per + per; b++) mine += weight(b);
+    unsigned long long run = block_scan(mine, total) - mine;  // (its barriers order the write above)
+    target = target_of(total);
+    if (run < target && target <= run + mine)
+        for (int b = tid * per; b < tid * per + per; b++) {
+            if (run + weight(b) >= target) { chosen = b; chosen_below = run; break; }
+            run += weight(b);
+        }
+    __syncthreads();
+    const unsigned b = chosen;
+    below = chosen_below;
+    __syncthreads();  // read before the next call writes them
+    return b;
+}
+
 // The last resort's radix select, over q(logit) = ~order_key(logit): 32 bits that order the logits from the largest
 // down, two floats never sharing one (a linear scale from the row's least logit to its max would tie logits one float
 // apart there: their difference from the max rounds alike). The least t with weight(q <= t) >= target(total
@@ -1157,15 +1212,12 @@ template <typename Fn> __device__ void for_each_logit(const float* x, int V, Fn 
 template <typename Weight, typename Target>
 __device__ unsigned radix_select(const float* x, int V, unsigned limit, Weight weight, Target target_of,
                                  unsigned* low, unsigned* high) {  // a bin's weight: high << 16 + low
-    __shared__ unsigned chosen;
-    __shared__ unsigned long long below;
-    const int tid = threadIdx.x, nt = blockDim.x, per = SAMPLE_BINS / nt;
+    const int tid = threadIdx.x, nt = blockDim.x;
     unsigned prefix = 0u, decided = 0u;  // the digits of t found so far, and their bits
-    unsigned long long target = 0;
+    unsigned long long target = 0, below;
     for (int digit = 0; digit < 3; digit++) {
         const int shift = max(0, 21 - 11 * digit);  // bits 31-21, 20-10, then 10-0 (bit 10 known by then)
         for (int b = tid; b < SAMPLE_BINS; b += nt) low[b] = high[b] = 0u;
-        if (tid == 0) { chosen = SAMPLE_BINS - 1; below = 0; }
         __syncthreads();
         for_each_logit(x, V, [&](float l, int) {
             const unsigned qi = ~order_key(l);
@@ -1176,29 +1228,87 @@ __device__ unsigned radix_select(const float* x, int V, unsigned limit, Weight w
             }
         });
         __syncthreads();
-        unsigned long long mine = 0, total;  // this thread's bins: [tid * per, tid * per + per)
-        auto bin = [&](int b) { return ((unsigned long long)high[b] << 16) + low[b]; };
-        for (int b = tid * per; b < tid * per + per; b++) mine += bin(b);
-        unsigned long long run = block_scan(mine, total) - mine;
-        if (decided == 0u) target = max(1ull, target_of(total));
-        if (run < target && target <= run + mine)
-            for (int b = tid * per; b < tid * per + per; b++) {
-                if (run + bin(b) >= target) { chosen = b; below = run; break; }
-                run += bin(b);
-            }
-        __syncthreads();
+        const unsigned chosen = bin_reaching(
+            [&](int b) { return ((unsigned long long)high[b] << 16) + low[b]; },
+            [&](unsigned long long total) { return decided ? target : max(1ull, target_of(total)); }, target, below);
         prefix |= chosen << shift;
         decided |= (SAMPLE_BINS - 1) << shift;
         target -= below;
-        __syncthreads();  // chosen and below are read before the next digit writes them
     }
     return prefix;
 }
 
+// a logit's probability before normalising (m: the row's max), and its race against the best so far (r, r_at)
+__device__ __forceinline__ float prob(const Filters& f, float m, float logit) { return __expf((logit - m) * f.inv_t); }
+__device__ __forceinline__ void race(const Filters& f, float& r, int& r_at, float logit, int token) {
+    argmax_merge(r, r_at, logit * f.race_scale + race_noise(f.key, token), token);
+}
+
+// The race among the head's entries that the filters keep, when the head holds every kept token: each entry counts
+// the entries above it and their mass, which decides top-k and top-p for it (this thread's entries: tid + j * nt)
+__device__ int race_head(const unsigned long long* head, const unsigned long long* head_mass, int N, int V,
+                         const Filters& f, float m, unsigned long long row_target) {
+    const int tid = threadIdx.x, nt = blockDim.x, k = f.top_k;
+    float r = NEG_INF;
+    int r_at = V;
+    int larger[SAMPLE_HEAD / 256];
+    unsigned long long above[SAMPLE_HEAD / 256], kept_mass = 0;
+#pragma unroll
+    for (int j = 0; j < SAMPLE_HEAD / 256; j++) {
+        const int e = tid + j * nt;
+        larger[j] = 0;
+        above[j] = 0;
+        if (e >= N) continue;
+        const unsigned ek = (unsigned)(head[e] >> 32);
+        const ulonglong2 *h2 = reinterpret_cast<const ulonglong2*>(head), *p2 = reinterpret_cast<const ulonglong2*>(head_mass);
+        int larger2 = 0;  // the odd entries' counts apart: two chains of dependent adds, each half as long
+        unsigned long long above2 = 0;
+#pragma unroll 4
+        for (int i = 0; i < N / 2; i++) {  // two entries per 16-byte load
+            const ulonglong2 h = h2[i], p = p2[i];
+            if ((unsigned)(h.x >> 32) > ek) { larger[j]++; above[j] += p.x; }
+            if ((unsigned)(h.y >> 32) > ek) { larger2++; above2 += p.y; }
+        }
+        if (N & 1 && (unsigned)(head[N - 1] >> 32) > ek) { larger2++; above2 += head_mass[N - 1]; }
+        larger[j] += larger2;
+        above[j] += above2;
+        if (k > 0 && larger[j] < k) kept_mass += head_mass[e];
+    }
+    // top-p: kept while the mass above is below top_p of the top-k set's mass (or of the row's)
+    const unsigned long long target = k > 0 ? (unsigned long long)((double)f.top_p * block_sum(kept_mass)) : row_target;
+#pragma unroll
+    for (int j = 0; j < SAMPLE_HEAD / 256; j++) {
+        const int e = tid + j * nt;
+        if (e >= N) continue;
+        const float logit = key_float((unsigned)(head[e] >> 32));
+        if ((k == 0 || larger[j] < k) && (f.top_p >= 1.f || above[j] < target) && prob(f, m, logit) >= f.min_p)
+            race(f, r, r_at, logit, (int)(unsigned)head[e]);
+    }
+    block_argmax(r, r_at);
+    return r_at;
+}
+
+// The last resort: the thresholds by radix select over the whole row (smem: the bins), and the race among all it keeps
+__device__ int race_row(const float* x, int V, const Filters& f, float m, unsigned long long* smem) {
+    const int k = f.top_k;
+    float r = NEG_INF;
+    int r_at = V;
+    unsigned t = ~0u, *low = reinterpret_cast<unsigned*>(smem), *high = low + SAMPLE_BINS;  // kept: q <= t
+    if (k > 0)
+        t = radix_select(x, V, t, [](float) { return 1u; }, [&](unsigned long long) { return (unsigned long long)k; },
+                         low, high);
+    if (f.top_p < 1.f)
+        t = radix_select(x, V, t, [&](float l) { return (unsigned)fixed_p(prob(f, m, l)); },
+                         [&](unsigned long long total) { return (unsigned long long)((double)f.top_p * total); },
+                         low, high);
+    for_each_logit(x, V, [&](float l, int i) { if (~order_key(l) <= t && prob(f, m, l) >= f.min_p) race(f, r, r_at, l, i); });
+    block_argmax(r, r_at);
+    return r_at;
+}
+
 // the row's pick: the token, from the warps' summaries and candidates (see the section's head)
 __device__ int pick_token(const float* x, int V, int W, const Filters& f, const WarpSummary* ws,
-                          const unsigned long long* candidates) {
-    __shared__ __align__(16) unsigned long long smem[2 * SAMPLE_HEAD];  // the head's keys and masses, or radix bins
+                          const unsigned long long* candidates, unsigned long long* smem) {
     __shared__ __align__(16) float maxima[SAMPLE_MAX_WARPS];            // the warps' maxima, for top-k's floor
     __shared__ unsigned bound, kth_max;
     __shared__ int n_head;
@@ -1217,8 +1327,7 @@ __device__ int pick_token(const float* x, int V, int W, const Filters& f, const 
     if (f.T == 0.f) return at;
     if (k == 0) block_argmax(r, r_at);  // every token raced in its warp: the best of the warps' best
     if (f.races_all) return r_at;
-    auto P = [&](float logit) { return __expf((logit - m) * f.inv_t); };
-    auto race = [&](float logit, int token) { argmax_merge(r, r_at, logit * f.race_scale + race_noise(f.key, token), token); };
+    auto P = [&](float logit) { return prob(f, m, logit); };
     // Top-p or min-p alone: the race over every token picks the kept token with the best score whenever its own
     // winner is kept, which it is with probability >= top_p: then the winner stands, with no thresholds to find
     // (rejection sampling's idea, but exact: the same token as the definition's)
@@ -1226,7 +1335,6 @@ __device__ int pick_token(const float* x, int V, int W, const Filters& f, const 
     const float won = k == 0 && raced < V ? x[raced] : NEG_INF;  // raced == V: every logit is -inf
     const bool won_min_p = P(won) >= f.min_p;
     if (k == 0 && f.top_p >= 1.f && won_min_p) return raced;  // min-p alone
-    r = NEG_INF, r_at = V;
     // top-p alone: the row's mass, from the warps' sums
     const double mass = k == 0 ? block_sum(wm == NEG_INF ? 0.0 : wsum * (double)P(wm)) : 0.0;
     // top-p alone keeps a token while the mass above it is below this (in fixed_p's units)
@@ -1295,61 +1403,93 @@ __device__ int pick_token(const float* x, int V, int W, const Filters& f, const 
         in_head = in_head && P(key_float(bound)) < f.min_p;
     }
 
-    if (in_head) {  // each entry: how many entries are larger, and their mass (this thread's: tid + j * nt)
-        int larger[SAMPLE_HEAD / 256];
-        unsigned long long above[SAMPLE_HEAD / 256], kept_mass = 0;
-#pragma unroll
-        for (int j = 0; j < SAMPLE_HEAD / 256; j++) {
-            const int e = tid + j * nt;
-            larger[j] = 0;
-            above[j] = 0;
-            if (e >= N) continue;
-            const unsigned ek = (unsigned)(head[e] >> 32);
-            const ulonglong2 *h2 = reinterpret_cast<const ulonglong2*>(head), *p2 = reinterpret_cast<const ulonglong2*>(head_mass);
-            int larger2 = 0;  // the odd entries' counts apart: two chains of dependent adds, each half as long
-            unsigned long long above2 = 0;
-#pragma unroll 4
-            for (int i = 0; i < N / 2; i++) {  // two entries per 16-byte load
-                const ulonglong2 h = h2[i], p = p2[i];
-                if ((unsigned)(h.x >> 32) > ek) { larger[j]++; above[j] += p.x; }
-                if ((unsigned)(h.y >> 32) > ek) { larger2++; above2 += p.y; }
-            }
-            if (N & 1 && (unsigned)(head[N - 1] >> 32) > ek) { larger2++; above2 += head_mass[N - 1]; }
-            larger[j] += larger2;
-            above[j] += above2;
-            if (k > 0 && larger[j] < k) kept_mass += head_mass[e];
-        }
-        // top-p: kept while the mass above is below top_p of the top-k set's mass (or of the row's)
-        const unsigned long long target = k > 0 ? (unsigned long long)((double)f.top_p * block_sum(kept_mass)) : row_target;
-#pragma unroll
-        for (int j = 0; j < SAMPLE_HEAD / 256; j++) {
-            const int e = tid + j * nt;
-            if (e >= N) continue;
-            const float logit = key_float((unsigned)(head[e] >> 32));
-            if ((k == 0 || larger[j] < k) && (f.top_p >= 1.f || above[j] < target) && P(logit) >= f.min_p)
-                race(logit, (int)(unsigned)head[e]);
-        }
-        block_argmax(r, r_at);
-        return r_at;
-    }
+    if (in_head) return race_head(head, head_mass, N, V, f, m, row_target);
     if (k == 0 && won_min_p && order_key(won) < least) {  // a flat row: one pass for the mass above the winner
         unsigned long long above = 0;
         for_each_logit(x, V, [&](float l, int) { if (l > won) above += fixed_p(P(l)); });
         if (block_sum(above) < row_target) return raced;
     }
-    // the last resort: thresholds by radix select over the whole row, and the race among all it keeps
-    unsigned t = ~0u, *low = reinterpret_cast<unsigned*>(smem), *high = low + SAMPLE_BINS;  // kept: q <= t
     __syncthreads();  // the head is done with: its memory holds the bins
-    if (k > 0)
-        t = radix_select(x, V, t, [](float) { return 1u; }, [&](unsigned long long) { return (unsigned long long)k; },
-                         low, high);
-    if (f.top_p < 1.f)
-        t = radix_select(x, V, t, [&](float l) { return (unsigned)fixed_p(P(l)); },
-                         [&](unsigned long long total) { return (unsigned long long)((double)f.top_p * total); },
-                         low, high);
-    for_each_logit(x, V, [&](float l, int i) { if (~order_key(l) <= t && P(l) >= f.min_p) race(l, i); });
-    block_argmax(r, r_at);
-    return r_at;
+    return race_row(x, V, f, m, smem);
+}
+
+// The pick of a greedy or top-k row from the lm_head's 32-logit segment maxima (matmul_tc leaves them), in place of
+// the pass: the row's max and first argmax come from the S = V / 32 maxima. Top-k: a histogram of m - max over the
+// maxima's range (bins order as the logits do, reversed) finds the least bin b that k maxima reach: every logit in a
+// later bin has k maxima above it, so the top k lie in the k or so segments whose max is in bins <= b, and the head
+// is their logits in bins <= b. Only those are read: ~1 / 32 of a row's bytes and ~k segments.
+__device__ int pick_from_maxima(const float* x, int V, const Filters& f, const float* maxima, unsigned long long* smem) {
+    __shared__ int n_head;
+    __shared__ float warp_least[32];
+    constexpr int PER = SAMPLE_MAX_WARPS * 512 / LOGIT_SEGMENT / 256;  // a thread's share of V <= 65536: 8
+    const int tid = threadIdx.x, nt = blockDim.x, S = (V + LOGIT_SEGMENT - 1) / LOGIT_SEGMENT, k = f.top_k;
+    unsigned* count = reinterpret_cast<unsigned*>(smem);  // top-k's histogram, zeroed while the maxima come
+    for (int b = tid; b < SAMPLE_BINS; b += nt) count[b] = 0u;
+    float seg[PER];  // this thread's segments' maxima: segment tid + j * nt
+    float m = NEG_INF, least = NEG_INF;  // the row's max; its least finite segment max, negated (for a max)
+    int at = S, unused = 0;
+#pragma unroll
+    for (int j = 0; j < PER; j++) {
+        const int s = tid + j * nt;
+        seg[j] = s < S ? __ldcg(&maxima[s]) : NEG_INF;
+        if (seg[j] > m) { m = seg[j]; at = s; }
+        if (seg[j] != NEG_INF) least = fmaxf(least, -seg[j]);
+    }
+    warp_argmax(least, unused);
+    if ((tid & 31) == 0) warp_least[tid >> 5] = least;
+    block_argmax(m, at);  // the row's max, and the first segment holding it (its barriers publish the above too)
+    if (f.T == 0.f) {     // greedy: that segment's first logit equal to the max
+        const int i = at * LOGIT_SEGMENT + (tid & 31);
+        const unsigned equal = __ballot_sync(FULL_MASK, i < V && x[i] == m);
+        return equal ? at * LOGIT_SEGMENT + __ffs(equal) - 1 : V;  // V: every logit -inf
+    }
+    if (k > S) return race_row(x, V, f, m, smem);  // every segment holds one of the top k
+    for (int w = 0; w < nt / 32; w++) least = fmaxf(least, warp_least[w]);
+    const float scale = m + least > 0.f ? (SAMPLE_BINS - 1) / (m + least) : 0.f;
+    auto bin_of = [&](float l) { return (int)fminf((m - l) * scale, SAMPLE_BINS - 1); };  // -inf, nan: the last
+#pragma unroll
+    for (int j = 0; j < PER; j++)
+        if (tid + j * nt < S) atomicAdd(&count[bin_of(seg[j])], 1u);
+    __syncthreads();
+    unsigned long long target, below;
+    const int last = bin_reaching([&](int b) { return (unsigned long long)count[b]; },
+                                  [&](unsigned long long) { return (unsigned long long)k; }, target, below);
+    const int n_seg = (int)(below + count[last]);  // the segments whose max is in bins <= last: >= k of them
+    __syncthreads();  // every thread has read the counts: their memory is free
+    if (n_seg > SAMPLE_HEAD) return race_row(x, V, f, m, smem);  // more than the head has entries: the last resort
+    __shared__ int seg_list[SAMPLE_HEAD], n_listed;
+    if (tid == 0) n_listed = n_head = 0;
+    __syncthreads();
+#pragma unroll
+    for (int j = 0; j < PER; j++)
+        if (tid + j * nt < S && bin_of(seg[j]) <= last) seg_list[atomicAdd(&n_listed, 1)] = tid + j * nt;
+    __syncthreads();
+    // their logits in bins <= last go to the head: a segment a warp, 8 a warp in flight
+    unsigned long long *head = smem, *head_mass = smem + SAMPLE_HEAD;
+    for (int first = tid / 32; first < n_seg; first += 8 * nt / 32) {
+        float l[8];
+        int i[8];
+#pragma unroll
+        for (int u = 0; u < 8; u++) {
+            const int c = first + u * nt / 32;
+            i[u] = c < n_seg ? seg_list[c] * LOGIT_SEGMENT + (tid & 31) : V;
+            l[u] = i[u] < V ? x[i[u]] : NEG_INF;
+        }
+#pragma unroll
+        for (int u = 0; u < 8; u++) {
+            if (i[u] >= V || bin_of(l[u]) > last) continue;
+            const int place = atomicAdd(&n_head, 1);
+            if (place < SAMPLE_HEAD) {
+                head[place] = (unsigned long long)order_key(l[u]) << 32 | (unsigned)i[u];
+                head_mass[place] = fixed_p(prob(f, m, l[u]));
+            }
+        }
+    }
+    __syncthreads();
+    const int N = n_head;  // >= k: the maxima in bins <= last are entries
+    if (N <= SAMPLE_HEAD) return race_head(head, head_mass, N, V, f, m, 0);
+    __syncthreads();  // the head is done with: its memory holds the bins
+    return race_row(x, V, f, m, smem);
 }
 
 __device__ Filters row_filters(int row, int V, const float* temperature, const int* top_k, const float* top_p,
@@ -1366,14 +1506,21 @@ __device__ Filters row_filters(int row, int V, const float* temperature, const i
     return f;
 }
 
+// with the lm_head's segment maxima (segment_max: else null), greedy and top-k rows (k <= 256, so that the ~k segments
+// leave the head room) are picked from those alone
+__device__ __forceinline__ bool picks_from_maxima(const float* segment_max, float T, int top_k) {
+    return segment_max && (T == 0.f || (0 < top_k && top_k <= SAMPLE_HEAD / 4));  // top_k: Filters' (0 for k >= V)
+}
+
 // The pass: a block per 8 warps' share of a row (13 blocks a row for GPT-2). The logits are loaded first, on their way
-// while the row's parameters come.
+// while the row's parameters come (with segment maxima, after: a row picked from those needs no pass).
 extern "C" __global__ void __launch_bounds__(256) sample_pass(
-    const float* logits, int V, int W, const float* temperature, const int* top_k, const float* top_p,
-    const float* min_p, const unsigned long long* seed, const int* step, WarpSummary* summary,
+    const float* logits, const float* segment_max, int V, int W, const float* temperature, const int* top_k,
+    const float* top_p, const float* min_p, const unsigned long long* seed, const int* step, WarpSummary* summary,
     unsigned long long* candidates) {
     wait_for_inputs();
     const int row = blockIdx.y, w = blockIdx.x * 8 + (threadIdx.x >> 5), first = w * 32 + (threadIdx.x & 31);
+    if (picks_from_maxima(segment_max, temperature[row], top_k[row] < V ? top_k[row] : 0)) return;
     const int stride = W * 32;  // this lane's logits: first, first + stride, ... (segment w, w + W, ... of 32)
     const float* x = logits + (long)row * V;
     const float* p = x + first;
@@ -1388,14 +1535,17 @@ extern "C" __global__ void __launch_bounds__(256) sample_pass(
 // The pick: a block a row. Two blocks an SM are all a batch of 256 rows needs: the bound lets ptxas give the pick the
 // registers it wants (with 256 threads alone it held it to 64, and the pick lost time to that).
 extern "C" __global__ void __launch_bounds__(256, 2) sample_pick(
-    const float* logits, int V, int W, const float* temperature, const int* top_k, const float* top_p,
-    const float* min_p, const unsigned long long* seed, const int* step, const WarpSummary* summary,
-    const unsigned long long* candidates, int* tokens) {
+    const float* logits, const float* segment_max, int V, int W, const float* temperature, const int* top_k,
+    const float* top_p, const float* min_p, const unsigned long long* seed, const int* step,
+    const WarpSummary* summary, const unsigned long long* candidates, int* tokens) {
+    __shared__ __align__(16) unsigned long long smem[2 * SAMPLE_HEAD];  // the head's keys and masses, or radix bins
     wait_for_inputs();
     const int row = blockIdx.x;
     const Filters f = row_filters(row, V, temperature, top_k, top_p, min_p, seed, step);
-    const int token = pick_token(logits + (long)row * V, V, W, f, summary + (long)row * W,
-                                 candidates + (long)row * W * SAMPLE_CAP);
+    const float* x = logits + (long)row * V;
+    const int token = picks_from_maxima(segment_max, f.T, f.top_k)
+        ? pick_from_maxima(x, V, f, segment_max + (long)row * ((V + LOGIT_SEGMENT - 1) / LOGIT_SEGMENT), smem)
+        : pick_token(x, V, W, f, summary + (long)row * W, candidates + (long)row * W * SAMPLE_CAP, smem);
     if (threadIdx.x == 0) tokens[row] = token < V ? token : 0;  // V: every logit -inf, and argmax's first index is 0
 }
 

@@ -558,7 +558,13 @@ def test_sampler_distribution(dev, temperature, top_k, top_p, min_p):
                                 full(top_k, np.int32), full(top_p, np.float32),
                                 rng.integers(0, 2 ** 64, N, dtype=np.uint64), rng.integers(0, 1000, N).astype(np.int32),
                                 full(min_p, np.float32)))
-    counts = np.bincount(toks, minlength=len(p))
+    assert_draws_fit(toks, p)
+
+
+def assert_draws_fit(toks, p):
+    """The drawn tokens' frequencies fit the distribution p (chi-square, failing by chance about once in a million
+    runs), and no token outside it is ever drawn."""
+    N, counts = len(toks), np.bincount(toks, minlength=len(p))
     assert counts[p == 0].sum() == 0, "a token outside the kept set was drawn"
     big = N * p >= 5  # the tokens expected fewer than 5 times are pooled into one cell, as the test needs
     observed = np.append(counts[big], counts[~big & (p > 0)].sum())
@@ -2111,6 +2117,64 @@ def test_sample_distribution():
                      np.zeros(R, np.float32))
     freq = np.bincount(toks, minlength=5) / R
     assert np.abs(freq - np.exp(logits)).max() < 0.015, freq
+
+
+@NO_GPU
+def test_sampler_picks_from_the_lm_heads_segment_maxima():
+    """Logits out of the lm_head's matmul_tc come with each 32-logit segment's max (the max of the stored logits, bit
+    for bit). Greedy and top-k rows (k <= 256) are picked from those, reading a few segments: the very token the pass
+    picks from the same logits, among rows of every other kind (top-k 1000 and 5000 among them, which take the pass),
+    on flat and peaked rows, where logits tie (w repeats its rows). Penalties edit the logits: the maxima are dropped."""
+    be = CudaBackend(np.float16)
+    V, K = 50257, 64
+    params = [(0.0, 0, 1.0, 0), (0.7, 50, 1.0, 0), (1.0, 20, 0.5, 0), (0.8, 1, 1.0, 0), (1.0, 50, 0.95, 0.05),
+              (2.0, 1000, 0.8, 0), (1.0, V + 5, 1.0, 0), (1.0, 0, 0.9, 0), (0.8, 5000, 1.0, 0), (1.0, 0, 1.0, 0.1)] * 4
+    R = len(params)  # 40 rows: matmul_tc's plan
+    w = rng.standard_normal((V, K)).astype(np.float16)
+    w[V // 2:] = w[:V - V // 2]  # every logit of a row's second half ties with one of its first
+    x = (rng.standard_normal((R, K)) * np.resize([0.4, 0.05, 2.0], R)[:, None]).astype(np.float16)  # sd 3, flat, peaked
+    logits = be.matmul(cp.asarray(x), cp.asarray(w), out_dtype=np.float32)
+    made, maxima = be.segment_maxima
+    host = logits.get()
+    assert made is logits and np.array_equal(
+        maxima.get(), np.pad(host, ((0, 0), (0, -V % 32)), constant_values=-np.inf).reshape(R, -1, 32).max(-1))
+    temp, top_k, top_p, min_p = (np.array([p[i] for p in params], t) for i, t in
+                                 enumerate((np.float32, np.int32, np.float32, np.float32)))
+    seed, step = rng.integers(0, 2**63, R, dtype=np.uint64), rng.integers(0, 1000, R).astype(np.int32)
+    fast = be.sample(logits, temp, top_k, top_p, seed, step, min_p)
+    assert be.segment_maxima is None  # taken: the next call runs the pass for every row
+    assert np.array_equal(fast, be.sample(logits, temp, top_k, top_p, seed, step, min_p)), f"seed={SEED}"
+    keys = ni.sample_key(seed, step)
+    for i in range(R):
+        want = ni.sample_row(host[i], temp[i], top_k[i], top_p[i], keys[i], min_p[i])
+        assert fast[i] == want or near_race(host[i], temp[i], top_k[i], top_p[i], int(seed[i]), int(step[i]),
+                                            min_p[i], fast[i]), f"row {i} {params[i]}: {fast[i]} != {want} ({SEED=})"
+    logits = be.matmul(cp.asarray(x), cp.asarray(w), out_dtype=np.float32)
+    top = int(np.argmax(host[0]))  # row 0 is greedy: ban its argmax, and the next one wins
+    ones, zeros = np.ones(R, np.float32), np.zeros(R, np.float32)
+    logits = be.penalize(logits, ni.Penalties(*np.int32([[0], [top], [0]]), np.array([True]), ones, zeros, zeros))
+    assert be.segment_maxima is None
+    host[0, top] = -np.inf
+    assert be.sample(logits, temp, top_k, top_p, seed, step, min_p)[0] == np.argmax(host[0])
+
+
+@NO_GPU
+@pytest.mark.parametrize("temperature,top_k,top_p,min_p", [(0.7, 10, 1.0, 0.0), (0.9, 20, 0.9, 0.02),
+                                                           (1.2, 3, 1.0, 0.0)])
+def test_sampler_distribution_from_lm_head(temperature, top_k, top_p, min_p):
+    """test_sampler_distribution for top-k rows picked from the lm_head's segment maxima: 30000 rows of logits made by
+    matmul_tc (384 fp16 logits times the identity: 12 segments, 128-wide tiles), each row with its own (seed, step):
+    top-k 3 and 10 through the histogram, 20 through the radix select. Unseeded."""
+    be, r, N, V = CudaBackend(np.float16), np.random.default_rng(), 30000, 384
+    row = (r.standard_normal(V) * 1.5).astype(np.float16)
+    logits = be.matmul(cp.asarray(np.tile(row, (N, 1))), cp.asarray(np.eye(V, dtype=np.float16)), out_dtype=np.float32)
+    assert be.segment_maxima is not None and np.array_equal(logits[0].get(), row.astype(np.float32))
+    full = lambda v, t: np.full(N, v, t)
+    toks = be.sample(logits, full(temperature, np.float32), full(top_k, np.int32), full(top_p, np.float32),
+                     r.integers(0, 2 ** 64, N, dtype=np.uint64), r.integers(0, 1000, N).astype(np.int32),
+                     full(min_p, np.float32))
+    p = ni.sampling_probs(row.astype(np.float64), temperature, top_k, top_p, min_p)
+    assert_draws_fit(toks, p / p.sum())
 
 
 # ---- the engine on CUDA: a tiny random GPT-2 -------------------------------------------------
