@@ -247,6 +247,22 @@ class Tokenizer:
     def encode(self, text):
         return self.enc.encode(text, allowed_special="all")
 
+    def prompt_ids(self, prompt):
+        """A prompt's token ids: a string, a list of ids, or vLLM's {"prompt": ...} / {"prompt_token_ids": [...]}; an
+        empty one generates unconditionally, from the end-of-text token."""
+        n_vocab = self.n_vocab
+        if isinstance(prompt, dict) and len(prompt) == 1 and ("prompt" in prompt or "prompt_token_ids" in prompt):
+            prompt = prompt.get("prompt", prompt.get("prompt_token_ids"))  # vLLM's TextPrompt and TokensPrompt
+        if isinstance(prompt, str):
+            ids = self.encode(prompt)
+        elif isinstance(prompt, (list, tuple, np.ndarray)) and \
+                all(isinstance(t, (int, np.integer)) and 0 <= t < n_vocab for t in prompt):
+            ids = [int(t) for t in prompt]
+        else:
+            raise ValueError(f"a prompt is a string, a list of token ids in [0, {n_vocab}), or a dict of one: "
+                             "{'prompt': string} or {'prompt_token_ids': list}")
+        return ids or [self.eot_token]
+
     def decode(self, ids):
         return self.enc.decode(ids)
 

@@ -1,10 +1,12 @@
 """The CUDA backend: every speed trick of nanoinfer behind one door, imported only for device="cuda". A first reading
-can skip it: nanoinfer.py's numpy op set defines what each op computes.
+can skip it: nanoinfer.py's numpy op set defines what each op computes. It imports nothing from nanoinfer.py: what it
+needs (the decode step a CUDA graph records, the KV cache) is handed in.
 
 1. Compiling kernels.cu, and launching its kernels (in a CUDA graph, as dependent launches).
 2. CudaBackend, the op set as kernels; plan_matmul and plan_attention pick a kernel, tile and split for each shape.
 3. GraphRunner: decode steps replayed from CUDA graphs, 16 per run, the next launched before this one's tokens are read.
 """
+import contextlib
 import ctypes
 import functools
 import math
@@ -16,8 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-
-from nanoinfer import EagerRunner, log, sampling_arrays
 
 cp = None  # cupy, imported when a CudaBackend is made (this file imports without it: plans are plain Python)
 
@@ -39,48 +39,40 @@ def find_gpu():
     return None if cc is not None else "no GPU is visible"
 
 
-def open_gpu(dtype, required):
-    """A CudaBackend (fp16 unless dtype says otherwise); without a usable GPU an error if required, else None (logged:
-    the CPU stands in)."""
-    why = find_gpu()
-    if why is None:
-        return CudaBackend(np.dtype(dtype or np.float16))
-    if required:
-        raise RuntimeError(f"device='cuda' needs CuPy and an NVIDIA Hopper GPU ({why}): "
-                           "pip install cupy-cuda13x on an H100 or H200, or use device='cpu'")
-    log(f"no usable GPU ({why}); running on the CPU with numpy")
-    return None
-
 # -----------------------------------------------------------------------------
 # 1. compiling and launching kernels.cu
 
 KERNELS_CU = Path(__file__).with_name("kernels.cu")
-TC_TILES = ((128, 128, 3), (128, 144, 3), (128, 128, 4), (64, 128, 3), (64, 128, 8), (64, 32, 8))  # BM, BN, stages
-TEMPLATES = [f"matmul_tc<{bm},{bn},{s}>" for bm, bn, s in TC_TILES] + ["matmul_gemv<4>", "matmul_gemv<8>"] + [
-    f"{k}<{t}>" for t in ("float", "half") for k in ("layernorm", "embed", "cache_write", "attention_decode")]
-PLAIN = ["matmul_f32", "matmul_skinny", "attention_prefill", "penalize", "sample_pass", "sample_pick",
-         "decode_advance", "take_rows"]
+PLAIN = ["matmul_f32", "matmul_skinny", "attention_prefill", "penalize", "sample_pass", "sample_pick", "decode_advance",
+         "take_rows"]
 GEMV_SMEM = 224 * 1024  # matmul_gemv keeps x in shared memory: K * 2 bytes at most
-SAMPLE_LOGITS_PER_WARP, SAMPLE_CAP = 512, 16  # kernels.cu's sampler: a warp's share of a row, its candidates
-WARP_SUMMARY_WORDS = 6  # kernels.cu's WarpSummary: max, argmax, sumexp, cutoff, race, race_at
-SAMPLE_ROWS = 1024  # rows sampled per launch: the scratch from the sampler's pass to its pick is sized for this many
-SAMPLE_MAX_V = 65536  # the sampler's radix select counts a row in 16-bit halves: rows of at most this many logits
-LOGIT_SEGMENT = 32  # kernels.cu's: matmul_tc leaves the max of each segment of this many logits for the sampler
+SMEM_MAX = 227 * 1024  # shared memory a block may have on Hopper
+SAMPLE_WARP, SAMPLE_CAP, SUMMARY_BYTES = 512, 16, 24  # kernels.cu's sampler: a pass warp's logits, its candidates
+SAMPLE_THREADS, SAMPLE_HEAD = 256, 2048  # the pick's block, its head of sorted logits
+SAMPLE_SMEM = SMEM_MAX - 4096  # the pick's dynamic shared memory at most (4 KB left for its static arrays)
+SAMPLE_MAX_V = (SAMPLE_SMEM - SAMPLE_HEAD * 8) // 4  # the pick's row in shared memory beside the head
+SAMPLE_ROWS = 1024  # rows sampled per launch: the scratch from the pass to the pick is sized for this many
 
 
 def tc_smem(bm, bn, stages):
     return stages * (bm + bn) * 128 + 1024  # (BM + BN) rows of 128 bytes per stage, and room to align to 1024
 
 
+def templates(src):
+    """The template instantiations kernels.cu lists (its one list): 'matmul_tc<64,128,3>', 'embed<half>', ..."""
+    return re.findall(r"^INSTANTIATE\((\w+<[\w,]+>)\)", src.replace(" INSTANTIATE", "\nINSTANTIATE"), re.M)
+
+
 @functools.cache
 def compile_kernels():
-    """Compile kernels.cu once per process (CuPy caches the binary on disk); {name: cupy.RawKernel}."""
+    """Compile kernels.cu once per process (CuPy caches the binary on disk): ({name: cupy.RawKernel}, how it went)."""
     src = KERNELS_CU.read_text()
+    names = templates(src)
     cache = Path(os.environ.get("CUPY_CACHE_DIR", "~/.cupy/kernel_cache")).expanduser()
     cached, t0 = len(list(cache.glob("*"))) if cache.is_dir() else 0, time.perf_counter()
     try:
-        mod = cp.RawModule(code=src, options=("-arch=sm_90a",), name_expressions=TEMPLATES)  # sm_90a: wgmma
-        kernels = {name: mod.get_function(name) for name in TEMPLATES + PLAIN}
+        mod = cp.RawModule(code=src, options=("-arch=sm_90a",), name_expressions=names)  # sm_90a: wgmma
+        kernels = {name: mod.get_function(name) for name in names + PLAIN}
     except cp.cuda.compiler.CompileException as e:  # name the source lines, not NVRTC's temporary file
         messages, lines = e.get_message(), src.splitlines()
         where = [f"  kernels.cu:{n}: {lines[int(n) - 1].strip()}"
@@ -89,12 +81,13 @@ def compile_kernels():
                            "\n\nfull compiler log:\n" + messages.replace("kern.cu(", "kernels.cu(")) from None
     new = (len(list(cache.glob("*"))) if cache.is_dir() else 0) > cached
     how = "compiled by NVRTC (cached for next time)" if new else "loaded from CuPy's cache"
-    log(f"kernels.cu: {how} in {time.perf_counter() - t0:.1f} s")
-    for bm, bn, stages in TC_TILES:  # more than 48 KB of shared memory needs an opt-in per kernel
-        kernels[f"matmul_tc<{bm},{bn},{stages}>"].max_dynamic_shared_size_bytes = tc_smem(bm, bn, stages)
-    for r in (4, 8):
-        kernels[f"matmul_gemv<{r}>"].max_dynamic_shared_size_bytes = GEMV_SMEM
-    return kernels
+    for name, kernel in kernels.items():  # more than 48 KB of shared memory needs an opt-in per kernel
+        if name.startswith("matmul_tc<"):
+            kernel.max_dynamic_shared_size_bytes = tc_smem(*map(int, re.findall(r"\d+", name)))
+        elif name.startswith("matmul_gemv<"):
+            kernel.max_dynamic_shared_size_bytes = GEMV_SMEM
+    kernels["sample_pick"].max_dynamic_shared_size_bytes = SAMPLE_SMEM
+    return kernels, f"kernels.cu: {how} in {time.perf_counter() - t0:.1f} s"
 
 
 class _LaunchAttribute(ctypes.Structure):  # cuda.h's CUlaunchAttribute: an id, then a 64-byte union at offset 8
@@ -147,7 +140,6 @@ class MatmulPlan:
     k_per_split: int = 0
     ln_fused: bool = False  # the layernorm in front runs in the kernel's prologue (else as a kernel of its own)
     rows_per_launch: int = 0  # M in launches of this many rows (0: one launch), each with its grid's rows
-    segment_maxima: bool = False  # matmul_tc, whole segments a tile and one K split: it can leave the logits' maxima
 
 
 def split_k(blocks, per_sm, K, most, MN, num_sms):
@@ -171,7 +163,7 @@ def plan_matmul(M, N, K, ln, dtype, num_sms, invariant=False):
         splits, k_per_split = split_k(cdiv(N, 32), 2, K, most, 64 * N, num_sms)
         rows = min(M, max(64, SPLITK_SCRATCH // (N * splits) // 64 * 64) if splits > 1 else M)
         return MatmulPlan("matmul_tc<64,32,8>", (cdiv(N, 32), cdiv(rows, 64), splits), 128, tc_smem(64, 32, 8),
-                          splits, k_per_split, rows_per_launch=rows, segment_maxima=splits == 1)
+                          splits, k_per_split, rows_per_launch=rows)
     if M == 1 and K * 2 <= GEMV_SMEM and N <= 16384 and (not ln or K <= 2048):
         # one stream's decode: a warp per row of w; the lm_head's 50257 rows stream as fast through the tensor cores
         light = N * K * 2 <= GEMV_LIGHT  # 4 loads per lane per round leave room for the next kernel's blocks
@@ -198,7 +190,7 @@ def plan_matmul(M, N, K, ln, dtype, num_sms, invariant=False):
     most = cdiv(K, 64) // 12 if N % 4 == 0 else 1
     splits, k_per_split = split_k(cdiv(M, bm) * cdiv(N, bn), per_sm, K, most, M * N, num_sms)
     return MatmulPlan(f"matmul_tc<{bm},{bn},{stages}>", (cdiv(N, bn), cdiv(M, bm), splits), 2 * bm,
-                      tc_smem(bm, bn, stages), splits, k_per_split, segment_maxima=bn % LOGIT_SEGMENT == 0 and splits == 1)
+                      tc_smem(bm, bn, stages), splits, k_per_split)
 
 
 def plan_attention(cu_seqlens_q, context_lens, min_q):
@@ -238,21 +230,21 @@ class CudaBackend:
         self.dtype = np.dtype(dtype)
         if self.dtype not in (np.float16, np.float32):
             raise ValueError(f"CudaBackend: dtype must be float16 or float32, got {self.dtype}")
-        self.k = compile_kernels()
+        self.kernels, self.loaded = compile_kernels()
         self.t = "half" if self.dtype == np.float16 else "float"
         self.vec = 16 // self.dtype.itemsize  # elements per 16-byte vector
         self.num_sms = cp.cuda.Device().attributes["MultiProcessorCount"]
-        self.fuse = True  # False runs layernorms, bias, GELU and residual adds as kernels of their own
-        self.pdl = True  # False captures CUDA graphs whose kernels each wait for the one before to finish
-        self.batch_invariant = False  # True: plans that do not depend on the batch (LLM's switch)
-        self._dependent = False  # launching into a graph capture with pdl on
+        # LLM's switches: fused=False runs layernorms, bias, GELU and residual adds as kernels of their own;
+        # dependent_launches=False captures CUDA graphs whose kernels each wait for the one before to finish;
+        # batch_invariant=True picks plans that do not depend on the batch
+        self.fused, self.dependent_launches, self.batch_invariant = True, True, False
+        self._dependent = False  # launching into a graph capture with dependent launches on
         self._gelu = cp.ElementwiseKernel("T x", "T y", "float v = x; y = 0.5f * v * (1.f + tanhf(0.7978845608f * "
                                           "(v + 0.044715f * v * v * v)))", "gelu_tanh")  # the unfused GELU
         # split-K scratch, allocated once: a CUDA graph keeps pointers, so nothing it uses may move later
         self._counters = cp.zeros(4096, np.int32)  # split-K and split-context arrival counters (self-resetting)
         self._partial = cp.empty(SPLITK_SCRATCH, np.float32)  # split-K partial sums
-        self._sample_scratch = {}  # V: (WarpSummary bytes, candidates) from the sampler's pass to its pick
-        self.segment_maxima = None  # (logits, (R, V / 32) each 32 logits' max): the lm_head's, for the sampler
+        self._sample_scratch = {}  # V: (chunk summaries, candidates) from the sampler's pass to its pick
 
     @property
     def tile_min_q(self):
@@ -264,21 +256,22 @@ class CudaBackend:
     def check_model(self, config):
         if config.head_dim != 64 or config.n_inner % 8 or config.vocab_size > SAMPLE_MAX_V:
             raise ValueError(f"the CUDA kernels are written for head_dim 64 (every GPT-2), an MLP width that is a "
-                             f"multiple of 8 and at most {SAMPLE_MAX_V} tokens (the sampler's counts); this model has "
-                             f"{config.head_dim}, {config.n_inner} and {config.vocab_size}: use device='cpu'")
+                             f"multiple of 8 and at most {SAMPLE_MAX_V} tokens (the sampler keeps a row in shared "
+                             f"memory); this model has {config.head_dim}, {config.n_inner} and {config.vocab_size}: "
+                             "use device='cpu'")
 
     def launch(self, name, grid, block, args, shared_mem=0):
-        """Launch `name` on the current stream: in capture() with pdl on as a dependent launch, else through CuPy."""
+        """Launch `name` on the current stream: in capture() with dependent launches on as one, else through CuPy."""
         if self._dependent:
-            return launch_dependent(self.k[name], grid, block, args, shared_mem)
-        self.k[name](grid, block, args, shared_mem=shared_mem)
+            return launch_dependent(self.kernels[name], grid, block, args, shared_mem)
+        self.kernels[name](grid, block, args, shared_mem=shared_mem)
 
-    def capture(self, stream, step):
-        """The kernels step() launches on `stream`, captured as a CUDA graph."""
+    def capture(self, stream, record):
+        """The kernels record() launches on `stream`, captured as a CUDA graph."""
         stream.begin_capture()
-        self._dependent = self.pdl
+        self._dependent = self.dependent_launches
         try:
-            step()
+            record()
         finally:
             self._dependent = False
             graph = stream.end_capture()
@@ -358,10 +351,10 @@ class CudaBackend:
     def matmul(self, x, w, bias=None, gelu=False, residual=None, ln=None, out_dtype=None):
         M, K = x.shape
         N = w.shape[0]
-        plan = plan_matmul(M, N, K, ln is not None and self.fuse, self.dtype, self.num_sms, self.batch_invariant)
+        plan = plan_matmul(M, N, K, ln is not None and self.fused, self.dtype, self.num_sms, self.batch_invariant)
         if ln is not None and not plan.ln_fused:  # the layernorm as a kernel of its own
             x, ln = self.layernorm(x, *ln), None
-        if not self.fuse and (bias is not None or gelu or residual is not None):
+        if not self.fused and (bias is not None or gelu or residual is not None):
             y = self.matmul(x, w)  # what fusion saves, to measure it: each epilogue step one more pass over y
             y = y if bias is None else y + bias
             y = self._gelu(y) if gelu else y
@@ -376,26 +369,20 @@ class CudaBackend:
         y = self.empty((M, N), np.float32 if f32 else self.dtype)
         if M == 0 or N == 0:
             return y
-        maxima = None  # the logits (fp32 out of fp16 weights, a plain product): matmul_tc also takes each segment's
-        if self.fuse and f32 and self.dtype == np.float16 and plan.segment_maxima and not (bias is not None or gelu
-                                                                                           or residual is not None):
-            maxima = self.empty((M, cdiv(N, LOGIT_SEGMENT)), np.float32)  # max from its accumulators, so that the
-            self.segment_maxima = (y, maxima)  # sampler after it need not read the whole row
         bias = 0 if bias is None else self._contiguous(bias)
         residual = None if residual is None else self._contiguous(residual)
-        step = plan.rows_per_launch
-        if not step or step >= M:
-            self._matmul_launch(plan, plan.grid, x, w, bias, residual, y, gelu, f32, ln, maxima)
+        rows = plan.rows_per_launch
+        if not rows or rows >= M:
+            self._matmul_launch(plan, plan.grid, x, w, bias, residual, y, gelu, f32, ln)
         else:  # batch-invariant plans: M in launches whose split-K partial sums fit the scratch (64-row tiles)
-            for r in range(0, M, step):
-                m = min(step, M - r)
+            for r in range(0, M, rows):
+                m = min(rows, M - r)
                 self._matmul_launch(plan, (plan.grid[0], cdiv(m, 64), plan.grid[2]), x[r:r + m], w, bias,
-                                    None if residual is None else residual[r:r + m], y[r:r + m], gelu, f32, ln,
-                                    None if maxima is None else maxima[r:r + m])
+                                    None if residual is None else residual[r:r + m], y[r:r + m], gelu, f32, ln)
         return y if out_dtype is None else y.astype(out_dtype, copy=False)
 
-    def _matmul_launch(self, plan, grid, x, w, bias, residual, y, gelu, f32, ln, maxima=None):
-        """One launch of plan's kernel over these rows of x, y (and residual, maxima) on this grid."""
+    def _matmul_launch(self, plan, grid, x, w, bias, residual, y, gelu, f32, ln):
+        """One launch of plan's kernel over these rows of x, y (and residual) on this grid."""
         M, K = x.shape
         args = (x, w, bias, 0 if residual is None else residual, y, np.int32(M), np.int32(len(w)), np.int32(K),
                 np.int32(bool(gelu)))
@@ -404,7 +391,6 @@ class CudaBackend:
             args += (np.int32(f32), ln_w, ln_b, np.float32(eps))
         elif plan.kernel != "matmul_f32":
             args += (np.int32(f32), np.int32(plan.k_per_split), self._partial, self._counters)
-            args += (0 if maxima is None else maxima,) if plan.kernel.startswith("matmul_tc") else ()
         self.launch(plan.kernel, grid, (plan.block,), args, shared_mem=plan.shared_mem)
 
     def cache_write(self, k, v, k_cache, v_cache, slot_mapping):
@@ -421,7 +407,7 @@ class CudaBackend:
             raise NotImplementedError(f"attention: the kernels are written for head_dim 64 (every GPT-2), got {D}")
         # decode (no query needs another's new keys from the cache): the attention kernel writes them; else cache_write
         new_kv = (0, 0, np.int32(0), 0)
-        if self.fuse and batch.n_tiles == 0 and batch.n_rows == len(batch.context_lens):
+        if self.fused and batch.n_tiles == 0 and batch.n_rows == len(batch.context_lens):
             (k, ks), (v, vs) = self._heads(k), self._heads(v)
             assert ks == vs, "attention: k and v must share a token stride (views into one qkv array)"
             new_kv = (k, v, np.int32(ks), batch.slot_mapping)
@@ -462,7 +448,6 @@ class CudaBackend:
 
     def penalize(self, logits, e):
         """NumpyBackend.penalize, in place on the (R, V) fp32 logits."""
-        self.segment_maxima = None  # edited logits: the lm_head's maxima no longer hold
         logits, E = self._contiguous(logits, np.float32), len(e.ids)
         if E:
             self.launch("penalize", (-(-E // 256),), (256,), (logits, np.int32(logits.shape[1]), *(
@@ -470,35 +455,32 @@ class CudaBackend:
                 cp.asarray(a) for a in (e.repetition, e.presence, e.frequency))))
         return logits
 
-    def sample_device(self, logits, temperature, top_k, top_p, seed, step, min_p):
-        """sample() without the copy back: the (R,) int32 token ids on the GPU. A warp per 512 logits of a row reduces
-        them to a summary and <= 16 candidates (sample_pass), then a block a row picks (sample_pick): kernels.cu.
-        Logits straight from the lm_head come with its segment maxima: greedy and top-k rows skip the pass."""
-        made, self.segment_maxima = self.segment_maxima, None  # (held on, it would keep the logits' memory)
-        maxima = made[1] if made is not None and made[0] is logits else None
+    def sample_device(self, logits, temperature, top_k, top_p, seed, token_index, min_p):
+        """sample() without the copy back: the (R,) int32 token ids on the GPU. A warp per 512 logits of a row hands on
+        its summary and candidates (sample_pass), then a block a row picks (sample_pick): kernels.cu, section 11."""
         logits = self._contiguous(logits, np.float32)
         R, V = logits.shape
         if V > SAMPLE_MAX_V:
-            raise ValueError(f"the sampler's kernel counts a row in 16-bit halves: at most {SAMPLE_MAX_V} logits, "
-                             f"not {V}")
-        W = cdiv(V, SAMPLE_LOGITS_PER_WARP)  # warps per row
+            raise ValueError(f"the sampler's kernel keeps a row in shared memory: at most {SAMPLE_MAX_V} logits, not {V}")
+        W = cdiv(V, SAMPLE_WARP)  # pass warps a row
         if V not in self._sample_scratch:  # kept for good: captured graphs hold its pointers
-            self._sample_scratch[V] = (cp.empty((SAMPLE_ROWS, W, WARP_SUMMARY_WORDS), np.int32),
+            self._sample_scratch[V] = (cp.empty((SAMPLE_ROWS, W, SUMMARY_BYTES), np.uint8),  # kernels.cu's WarpSummary
                                        cp.empty((SAMPLE_ROWS, W, SAMPLE_CAP), np.uint64))
-        scratch, tokens = self._sample_scratch[V], self.empty((R,), np.int32)
         params = [self._contiguous(a, t) for a, t in ((temperature, np.float32), (top_k, np.int32),
                                                       (top_p, np.float32), (min_p, np.float32), (seed, np.uint64),
-                                                      (step, np.int32))]
+                                                      (token_index, np.int32))]
+        tokens = self.empty((R,), np.int32)
         for r in range(0, R, SAMPLE_ROWS):
             n, rows = min(SAMPLE_ROWS, R - r), slice(r, r + SAMPLE_ROWS)
-            args = (logits[rows], 0 if maxima is None else maxima[rows], np.int32(V), np.int32(W),
-                    *(a[rows] for a in params), *scratch)
+            args = (logits[rows], np.int32(V), np.int32(W), *(a[rows] for a in params), *self._sample_scratch[V])
             self.launch("sample_pass", (cdiv(W, 8), n), (256,), args)
-            self.launch("sample_pick", (n,), (256,), args + (tokens[rows],))
+            self.launch("sample_pick", (n,), (SAMPLE_THREADS,), args + (tokens[rows],),
+                        shared_mem=SAMPLE_HEAD * 8 + cdiv(V, 4) * 16)
         return tokens
 
-    def sample(self, logits, temperature, top_k, top_p, seed, step, min_p):
-        return cp.asnumpy(self.sample_device(logits, temperature, top_k, top_p, seed, step, min_p)).astype(np.int64)
+    def sample(self, logits, temperature, top_k, top_p, seed, token_index, min_p):
+        return cp.asnumpy(self.sample_device(logits, temperature, top_k, top_p, seed, token_index,
+                                             min_p)).astype(np.int64)
 
 # -----------------------------------------------------------------------------
 # 3. the graph runner: decode steps replayed from CUDA graphs, many per run
@@ -516,9 +498,9 @@ def steps_left(seqs, ahead, n_ctx):
 
 @dataclass
 class RunPlan:
-    """A graph run of `steps` decode steps, and each row's inputs to its first step."""
-    steps: int
-    step: np.ndarray  # the sampling counter
+    """A graph run of `num_steps` decode steps, and each row's inputs to its first step."""
+    num_steps: int
+    token_index: np.ndarray  # the sampler's counter: the index in its output of the token the row samples
     remaining: np.ndarray  # the steps it may take (after the last it is padding)
     positions: np.ndarray  # the position it computes
     slot_mapping: np.ndarray  # that token's cache slot (-1: padding)
@@ -532,8 +514,7 @@ def plan_run(kv, seqs, ahead, max_steps, n_ctx):
     left = steps_left(seqs, ahead, n_ctx)
     first = [len(s.token_ids) - 1 + ahead for s in seqs]  # the position each one's first step computes
     steps = int(min(max_steps, left.max(initial=0)))
-    while steps > 0 and sum(max(0, kv.blocks_needed(p + min(steps, n)) - len(kv.block_tables.get(s.seq_id, ())))
-                            for s, p, n in zip(seqs, first, left) if n) > kv.allocator.num_free():
+    while steps > 0 and not kv.can_fit_all([(s.seq_id, p + min(steps, n)) for s, p, n in zip(seqs, first, left) if n]):
         steps //= 2
     if steps == 0:
         return None
@@ -548,19 +529,21 @@ def plan_run(kv, seqs, ahead, max_steps, n_ctx):
 
 @dataclass
 class GraphRun:
-    """Launched decode steps: their graph, its rows' sequences, and `done`, an event recorded after the last step."""
+    """Launched decode steps: their graph, its rows' sequences and sampling parameters, and `done`, an event recorded
+    after the last step."""
     graph: "DecodeGraph"
     seqs: list
-    steps: int
+    sampling: tuple  # the rows' SamplingArrays (host)
+    num_steps: int
     first_positions: dict  # seq_id -> the position its first step computes
     first_ring_row: int
     done: object
 
     def tokens(self):
-        """(steps, rows) token ids, once the run is done."""
+        """(num_steps, rows) token ids, once the run is done."""
         self.done.synchronize()
         ring = self.graph.token_ring.get()
-        return ring[(self.first_ring_row + np.arange(self.steps)) % len(ring), :len(self.seqs)].astype(np.int64)
+        return ring[(self.first_ring_row + np.arange(self.num_steps)) % len(ring), :len(self.seqs)].astype(np.int64)
 
 
 class DecodeGraph:
@@ -570,63 +553,61 @@ class DecodeGraph:
     slot -1), and activations come from a pool only the graphs use (one stream: never two at once). The step ends by
     making its sampled tokens the next step's inputs on the GPU (decode_advance), keeping each step's tokens in a ring,
     so it can replay many times in a row: the host's work and its wait are paid once per run."""
-    # the step's inputs, in one int32 buffer; from `step` on, rewritten by carry_on for a run that goes on
-    FIELDS = ("seed", "temperature", "top_p", "top_k", "min_p", "input_ids", "substep",
-              "step", "remaining", "positions", "context_lens", "slot_mapping", "block_tables")
+    SAMPLING = ("temperature", "top_k", "top_p", "seed", "token_index", "min_p")  # SamplingArrays' fields
+    # the step's inputs, in one int32 buffer; from `token_index` on, rewritten by carry_on for a run that goes on
+    FIELDS = ("seed", "temperature", "top_p", "top_k", "min_p", "input_ids", "ring_row",
+              "token_index", "remaining", "positions", "context_lens", "slot_mapping", "block_tables")
     PADDING = dict(seed=0, temperature=0, top_p=1, top_k=0, min_p=0, input_ids=0,  # a padding row: greedy, unwritten
-                   step=0, remaining=0, positions=0, slot_mapping=-1)
+                   token_index=0, remaining=0, positions=0, slot_mapping=-1)
     TYPES = dict(seed=np.uint64, temperature=np.float32, top_p=np.float32, min_p=np.float32)  # the others: int32
 
-    def __init__(self, model, kv, B, stream, pool):
-        be, n_ctx = model.backend, model.config.n_ctx
+    def __init__(self, decode_step, backend, kv, n_ctx, B, stream, pool):
         self.B, self.stream, max_blocks = B, stream, kv.blocks_needed(n_ctx)
-        sizes = dict.fromkeys(self.FIELDS, B) | dict(seed=2 * B, substep=1, block_tables=B * max_blocks)
+        sizes = dict.fromkeys(self.FIELDS, B) | dict(seed=2 * B, ring_row=1, block_tables=B * max_blocks)
         self.host_buffer = np.zeros(sum(sizes.values()), np.int32)
         starts = dict(zip(self.FIELDS, np.cumsum([0] + [sizes[f] for f in self.FIELDS])))
-        self.carry_from = starts["step"]
+        self.carry_from = starts["token_index"]
         cp.cuda.Device().synchronize()  # the weights and the cache were made on the default stream, which ours skips
         with stream:
             self.dev_buffer = cp.zeros_like(self.host_buffer)
             self.host = {f: self.host_buffer[starts[f]:starts[f] + sizes[f]] for f in self.FIELDS}
             self.dev = {f: self.dev_buffer[starts[f]:starts[f] + sizes[f]] for f in self.FIELDS}
             self.token_ring = cp.zeros((2 * MAX_STEPS_PER_RUN, B), np.int32)  # one run's tokens while the next runs
-            self.ring_row = 0  # the ring row the next step writes (the GPU keeps its own count in `substep`)
+            self.ring_row = 0  # the ring row the next step writes (the GPU keeps its own count in `ring_row`)
             rows, d = cp.arange(B + 1, dtype=np.int32), self.dev
             # CudaBackend.to_device's fields, for B decode rows: attention_decode's rows, or one-query tiles (tile_min_q)
             attention = dict(row_q=rows[:B], row_seq=rows[:B], row_len=d["context_lens"], tile_seq=rows[:0],
-                             tile_q0=rows[:0]) if be.tile_min_q != 1 else dict(
+                             tile_q0=rows[:0]) if backend.tile_min_q != 1 else dict(
                 row_q=rows[:0], row_seq=rows[:0], row_len=rows[:0], tile_seq=rows[:B], tile_q0=cp.zeros_like(rows[:B]))
-            self.batch = device_batch(
+            self.batch = batch = device_batch(
                 input_ids=d["input_ids"], positions=d["positions"], slot_mapping=d["slot_mapping"],
                 context_lens=d["context_lens"], block_tables=d["block_tables"].reshape(B, max_blocks),
                 cu_seqlens_q=rows, logits_idx=None, max_row_len=n_ctx, **attention)
-            self.start([], sampling_arrays([]), RunPlan(0, *([],) * 4, np.zeros((0, 1), np.int32)))
+            sampling = {f: d[f].view(self.TYPES.get(f, np.int32)) for f in self.SAMPLING}
+            self.start(np.zeros(0, np.int32), {f: [] for f in self.SAMPLING}, RunPlan(0, *([],) * 4, np.zeros((0, 1))))
+
+            def step():  # what each replay runs: the engine's decode step, then the next step's inputs on the GPU
+                tokens = decode_step(batch, sampling)
+                backend.launch("decode_advance", (1,), (B,), (
+                    tokens, d["input_ids"], d["positions"], d["context_lens"], d["slot_mapping"], d["token_index"],
+                    d["remaining"], d["block_tables"], np.int32(max_blocks), np.int32(kv.block_size), self.token_ring,
+                    np.int32(len(self.token_ring)), d["ring_row"], np.int32(B)))
             # the step's activations, and only they, come from the pool the graphs share: what one graph leaves free
             # there, the next one captured may take (a buffer kept from one step to the next, above, must not)
             with cp.cuda.using_allocator(pool.malloc):
-                self._step(model, kv)  # warm-up: the first launches and allocations stay out of the capture
+                step()  # warm-up: the first launches and allocations stay out of the capture
                 stream.synchronize()
-                self.graph = be.capture(stream, lambda: self._step(model, kv))
+                self.graph = backend.capture(stream, step)
         self.graph.upload(stream)
 
-    def _step(self, model, kv):
-        d, be = self.dev, model.backend
-        logits = model.forward_on_device(self.batch, kv)
-        tokens = be.sample_device(logits, d["temperature"].view(np.float32), d["top_k"], d["top_p"].view(np.float32),
-                                  d["seed"].view(np.uint64), d["step"], d["min_p"].view(np.float32))
-        be.launch("decode_advance", (1,), (self.B,),
-                  (tokens, d["input_ids"], d["positions"], d["context_lens"], d["slot_mapping"], d["step"],
-                   d["remaining"], d["block_tables"], np.int32(self.batch.block_tables.shape[1]),
-                   np.int32(kv.block_size), self.token_ring, np.int32(len(self.token_ring)), d["substep"],
-                   np.int32(self.B)))
-
     def start(self, input_ids, sampling, plan):
-        """Load n <= B sequences: last tokens, SamplingArrays, plan rows; the rest are padding (greedy, unwritten)."""
+        """Load n <= B sequences: last tokens, sampling parameters (by SamplingArrays' field names), plan rows; the rest
+        are padding (greedy, unwritten)."""
         self.n = len(input_ids)
         for name in ("temperature", "top_k", "top_p", "min_p", "seed"):
-            self._write(name, getattr(sampling, name))
+            self._write(name, sampling[name])
         self._write("input_ids", input_ids)
-        self.host["substep"][0] = self.ring_row = 0
+        self.host["ring_row"][0] = self.ring_row = 0
         self._write_rows(plan)
         self.dev_buffer.set(self.host_buffer, stream=self.stream)
 
@@ -640,110 +621,107 @@ class DecodeGraph:
         field[:self.n], field[self.n:] = values, self.PADDING[name]
 
     def _write_rows(self, plan):
-        for name in ("step", "remaining", "positions", "slot_mapping"):
+        for name in ("token_index", "remaining", "positions", "slot_mapping"):
             self._write(name, getattr(plan, name))
         self.host["context_lens"][:] = self.host["positions"] + 1  # position p sees p + 1 keys; padding sees 1
         tables = self.host["block_tables"].reshape(self.B, -1)
         tables[:] = 0
         tables[:self.n, :plan.block_tables.shape[1]] = plan.block_tables
 
-    def launch(self, seqs, plan):
-        """Replay the step plan.steps times for these sequences (its rows)."""
+    def launch(self, seqs, sampling, plan):
+        """Replay the step plan.num_steps times for these sequences (its rows)."""
         first = self.ring_row
-        self.ring_row += plan.steps
-        for _ in range(plan.steps):
+        self.ring_row += plan.num_steps
+        for _ in range(plan.num_steps):
             self.graph.launch(self.stream)
         done = cp.cuda.Event()
         done.record(self.stream)
         starts = {s.seq_id: int(p) for s, p, n in zip(seqs, plan.positions, plan.remaining) if n}
-        return GraphRun(self, seqs, plan.steps, starts, first, done)
+        return GraphRun(self, seqs, sampling, plan.num_steps, starts, first, done)
 
 
 class GraphRunner:
-    """The engine's runner on CUDA. Decode batches (each sequence computes its last token and samples, none wants
-    logprobs) replay CUDA graphs in runs of up to MAX_STEPS_PER_RUN steps; before it waits for a run's tokens, it
-    launches the next, which goes on where that one stops, so the GPU computes while the host turns tokens into text.
-    Other batches (prefill, logprobs, penalties) run eagerly. One stream: a run ends before later work reuses its
-    blocks."""
-    def __init__(self, model, kv, scheduler, steps_per_run=MAX_STEPS_PER_RUN):
-        self.model, self.kv, self.scheduler, self.n_ctx = model, kv, scheduler, model.config.n_ctx
-        self.steps_per_run = min(steps_per_run, MAX_STEPS_PER_RUN)
-        self.eager = EagerRunner(model, kv)
+    """Decode batches (each sequence computes its last token and samples, none wants logprobs or edits its logits)
+    replayed from CUDA graphs, in runs of up to MAX_STEPS_PER_RUN steps. `decode_step(batch, sampling)` is what a
+    graph records: the engine's forward and sampler on device arrays (nanoinfer.ModelRunner.decode_step). Every
+    graph is captured here, at start-up; and before the host reads a run's tokens, the next run is launched, going
+    on where that one stops, so the GPU computes while the host turns tokens into text. One stream: the engine's
+    eager steps run on it too (eager()), so a run ends before later work reuses its blocks."""
+    def __init__(self, decode_step, backend, kv, n_ctx, max_num_seqs, num_scheduler_steps=MAX_STEPS_PER_RUN):
+        self.backend, self.kv, self.n_ctx = backend, kv, n_ctx
+        self.num_scheduler_steps = min(num_scheduler_steps, MAX_STEPS_PER_RUN)
+        # an admission is an eager step (kernels launched one by one) that ends the runs of graph steps, so a full
+        # engine lets waiting requests in by groups (TGI's waiting_served_ratio is the same trade)
+        self.admission_group = max(1, max_num_seqs // ADMIT_GROUP)
         self.stream = cp.cuda.Stream(non_blocking=True)
         self.in_flight = None  # a run launched and not yet read
-        # a graph per bucket up to max_num_seqs, captured now, as serving engines do, so that no request waits for one;
-        # the largest first, whose activations the smaller ones then reuse (one stream: one shared pool)
-        pool, m = cp.cuda.MemoryPool(), scheduler.max_num_seqs
-        buckets = [b for b in GRAPH_BUCKETS if b < m] + [b for b in GRAPH_BUCKETS if b >= m][:1]
-        t0 = time.perf_counter()
-        self.graphs = {B: DecodeGraph(model, kv, B, self.stream, pool) for B in reversed(buckets)}
-        log(f"captured {len(buckets)} CUDA graphs (decode batches of {buckets[0]} to {buckets[-1]} rows) in "
-            f"{time.perf_counter() - t0:.1f} s")
+        # a graph per bucket up to max_num_seqs, as serving engines do, so that no request waits for one; the largest
+        # first, whose activations the smaller ones then reuse (one stream: one shared pool)
+        pool = cp.cuda.MemoryPool()
+        self.buckets = [b for b in GRAPH_BUCKETS if b < max_num_seqs] + [b for b in GRAPH_BUCKETS if b >= max_num_seqs][:1]
+        self.graphs = {B: DecodeGraph(decode_step, backend, kv, n_ctx, B, self.stream, pool)
+                       for B in reversed(self.buckets)}
 
-    def admission_group(self):
-        """How many free seats let waiting requests in this step (None: none). An admission is an eager step (kernels
-        launched one by one from Python) that ends the runs of graph steps, so a full engine admits by groups (TGI's
-        waiting_served_ratio is the same trade), and none while a launched run computes running sequences."""
-        if self.in_flight and any(not s.finish_reason for s in self.in_flight.seqs):
-            return None
-        return self._group()
+    def takes(self, batch, seqs):
+        """Whether this batch is one the graphs run: a decode token for each sequence, each sampling as they do."""
+        return len(batch.input_ids) == len(seqs) <= max(self.graphs) and \
+            not any(s.logprobs is not None or s.edits_logits for s in seqs)
 
-    def _group(self):
-        return max(1, self.scheduler.max_num_seqs // ADMIT_GROUP)
+    def running_ahead(self):
+        """Whether a run launched ahead computes running sequences (while it does, no request should come in: it
+        would end the run unread)."""
+        return self.in_flight is not None and any(not s.finish_reason for s in self.in_flight.seqs)
+
+    def run(self, seqs, sampling, launch_next):
+        """(num_steps, R) sampled tokens of these decode rows: from the run in flight if it computes them, else from one
+        launched now; before they are read, the next run is launched (if launch_next and it can go on alone)."""
+        run = self.in_flight
+        if not (run and all(run.first_positions.get(s.seq_id) == len(s.token_ids) - 1 for s in seqs)):
+            plan = plan_run(self.kv, seqs, 0, self.num_scheduler_steps, self.n_ctx)  # the scheduler reserved step 1
+            graph = self._graph_for(len(seqs))
+            graph.start(np.array([s.token_ids[-1] for s in seqs], np.int32), sampling._asdict(), plan)
+            run = graph.launch(seqs, sampling, plan)
+        self.in_flight = self._next_run(run, seqs) if launch_next else None
+        row_of = {s.seq_id: row for row, s in enumerate(run.seqs)}
+        return run.tokens()[:, [row_of[s.seq_id] for s in seqs]]
 
     def _graph_for(self, rows):
         return self.graphs[next(b for b in GRAPH_BUCKETS if b >= rows)]
 
-    def run(self, batch, seqs):
-        """(steps, R) sampled tokens of the rows that sample, and (R, V) host logits if any of them wants logprobs."""
-        run = self._graph_run(batch, seqs)
-        if run is None:  # an eager step; a launched run that it does not read is dropped (stream order keeps it safe)
-            self.in_flight = None
-            with self.stream:
-                return self.eager.run(batch, seqs)
-        self.in_flight = self._next_run(run, seqs)
-        row_of = {s.seq_id: row for row, s in enumerate(run.seqs)}
-        return run.tokens()[:, [row_of[s.seq_id] for s in seqs]], None
-
-    def _graph_run(self, batch, seqs):
-        """The run for this batch: in flight, or launched now; None if no graph's (prefill, logprobs, penalties, too
-        many rows)."""
-        if len(batch.input_ids) != len(seqs) or len(seqs) > max(self.graphs) or \
-                any(s.logprobs is not None or s.edits_logits for s in seqs):
-            return None
-        run = self.in_flight
-        if run and all(run.first_positions.get(s.seq_id) == len(s.token_ids) - 1 for s in seqs):
-            return run
-        plan = plan_run(self.kv, seqs, 0, self.steps_per_run, self.n_ctx)  # step 1's blocks the scheduler reserved
-        if plan is None:  # so this cannot be; if it were, the step would run eagerly
-            return None
-        graph = self._graph_for(len(seqs))
-        graph.start(batch.input_ids, sampling_arrays(seqs), plan)
-        return graph.launch(seqs, plan)
-
     def _next_run(self, run, seqs):
         """The run after `run`, launched now, if it can go on without the scheduler (else None): multi-step is on, this
-        step reads every unfinished row of `run`, no request is to come in, and some row has steps left. The rows that
-        go on keep their graph (the rest pad) or move to a smaller one that fits, input tokens gathered on the GPU."""
+        step reads every unfinished row of `run`, and some row has steps left. The rows that go on keep their graph
+        (the rest pad) or move to a smaller one that fits, their input tokens gathered on the GPU."""
         unfinished = sum(not s.finish_reason for s in run.seqs)
-        if self.steps_per_run == 1 or len(seqs) != unfinished or self.scheduler.wants_admission(self._group()):
+        if self.num_scheduler_steps == 1 or len(seqs) != unfinished:
             return None
-        live = np.flatnonzero(steps_left(run.seqs, run.steps, self.n_ctx))
+        live = np.flatnonzero(steps_left(run.seqs, run.num_steps, self.n_ctx))
         if not len(live):
             return None
         graph = self._graph_for(len(live))
-        seqs = run.seqs if graph is run.graph else [run.seqs[i] for i in live]
-        plan = plan_run(self.kv, seqs, run.steps, self.steps_per_run, self.n_ctx)
+        if graph is not run.graph:
+            seqs, sampling = [run.seqs[i] for i in live], type(run.sampling)(*(a[live] for a in run.sampling))
+        else:
+            seqs, sampling = run.seqs, run.sampling
+        plan = plan_run(self.kv, seqs, run.num_steps, self.num_scheduler_steps, self.n_ctx)
         if plan is None:
             return None
         if graph is run.graph:
             graph.carry_on(plan)
         else:
-            graph.start(np.zeros(len(seqs), np.int32), sampling_arrays(seqs), plan)
+            graph.start(np.zeros(len(seqs), np.int32), sampling._asdict(), plan)
             with self.stream:  # row i's input token is the run's row live[i], gathered on the GPU: no wait for it
                 src, dst, n = run.graph.dev["input_ids"], graph.dev["input_ids"], len(live)
-                self.model.backend.launch("take_rows", (1,), (n,), (src, cp.asarray(live, np.int32), dst, np.int32(n)))
-        return graph.launch(seqs, plan)
+                self.backend.launch("take_rows", (1,), (n,), (src, cp.asarray(live, np.int32), dst, np.int32(n)))
+        return graph.launch(seqs, sampling, plan)
+
+    @contextlib.contextmanager
+    def eager(self):
+        """For a step the graphs do not take: on their stream, after what they launched; a run launched ahead that
+        the step does not read is dropped (stream order keeps it safe)."""
+        self.in_flight = None
+        with self.stream:
+            yield
 
     def wait(self):
         """Until the GPU has finished everything launched (a run launched ahead included)."""

@@ -15,14 +15,13 @@
 //   8. matmul_tc         the tiled tensor-core matmul on wgmma (prefill, decode batches of 9 and more)
 //   9. attention_prefill causal FlashAttention-2 over the paged KV cache, on mma.sync
 //  10. penalize          the logits processors before sampling: repetition, presence, frequency penalties, bans
-//  11. sample_pass/pick  one token per row: greedy, or an exponential race over the kept tokens
+//  11. sample           one token per row: greedy, or an exponential race over the kept tokens
 //  12. decode_advance    CUDA-graph helper: the next decode step's inputs, made on the GPU
 //  13. take_rows         CUDA-graph helper: out[i] = src[rows[i]]
 
 #include <cuda_fp16.h>
 #define NEG_INF __int_as_float(0xff800000)
 #define FULL_MASK 0xffffffffu
-constexpr int LOGIT_SEGMENT = 32;  // the lm_head's logits: matmul_tc leaves each segment's max for the sampler (11)
 
 // ---------------------------------------------------------------------------------------------
 // common helpers
@@ -658,13 +657,11 @@ template <int N> __device__ __forceinline__ void wgmma_commit_and_wait() {  // a
 // batches of 9-512 rows: 64-row tiles, 8 stages, 32 wide while those fill at most two blocks per SM (more tiles of fewer
 // k-steps finish sooner, as in cuBLAS); K split over blockIdx.z as in matmul_skinny. Each thread copies one 16-byte
 // chunk of every (threads/8)-th row, which the swizzle lands at the same column of each: a constant stride apart. Rows
-// past M, N and chunks past K are zero-filled (K % 8 == 0 suffices). The lm_head's logits (segment_max set: a plain
-// product, one K split, BN a multiple of 32) also leave each row's 32-logit segment maxima, from the accumulators
-// through shared memory so that the stores coalesce: the sampler need not read the logits (section 11), 1/32 more bytes.
+// past M, N and chunks past K are zero-filled (K % 8 == 0 suffices).
 template <int BM, int BN, int STAGES>
 __global__ void __launch_bounds__(BM * 2, 256 / BM) matmul_tc(
     const half* x, const half* __restrict__ w, const half* __restrict__ bias, const half* residual, void* __restrict__ y,
-    int M, int N, int K, int gelu, int y_f32, int k_per_split, float* partial, int* counters, float* segment_max) {
+    int M, int N, int K, int gelu, int y_f32, int k_per_split, float* partial, int* counters) {
     constexpr int BK = 64, THREADS = BM * 2, RSTEP = THREADS / 8;
     constexpr int A_BYTES = BM * BK * 2, STAGE_BYTES = (BM + BN) * BK * 2;
     extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -733,31 +730,14 @@ __global__ void __launch_bounds__(BM * 2, 256 / BM) matmul_tc(
     // rows: coalesced stores and split-K sums, not scattered pairs, and an epilogue loop, not 64 unrolled copies.
     constexpr int TLD = BN + 8;  // row pitch (floats): the float2 writes miss no bank
     constexpr int RUNS = BM * BN / 4 / THREADS, IN_FLIGHT = RUNS < 8 ? RUNS : 8;  // float4 runs per thread
-    constexpr int SEGS = BN / LOGIT_SEGMENT, MLD = SEGS * 4 + 4;  // segments a row of the tile; their lanes' maxima
-    static_assert(BM * (TLD + MLD) * 4 <= STAGES * STAGE_BYTES, "the tile of y fits in the pipeline's stages");
+    static_assert(BM * TLD * 4 <= STAGES * STAGE_BYTES, "the tile of y fits in the pipeline's stages");
     cp_async_wait<0>();
     __syncthreads();
     float* tile = reinterpret_cast<float*>(smem_raw + (smem - smem_addr(smem_raw)));  // (BM, TLD) fp32
-    float* lane_max = tile + BM * TLD;  // (BM, MLD): segment s of a row from 4 lanes at 4 s .. 4 s + 3
     const int lane = tid & 31, rw = wg * 64 + (tid & 127) / 32 * 16 + (lane >> 2), cw = 2 * (lane & 3);
 #pragma unroll
     for (int i = 0; i < BN / 2; i += 2)  // acc[4 j + 2 hf + e] is the tile's (rw + 8 hf, 8 j + cw + e)
         *reinterpret_cast<float2*>(&tile[(rw + (i & 2) * 4) * TLD + (i >> 2) * 8 + cw]) = make_float2(acc[i], acc[i + 1]);
-    if (BN % LOGIT_SEGMENT == 0 && segment_max) {  // the lm_head's logits (a plain product, one K split): each
-        const bool edge = n0 + BN > N;  // segment's max, for the sampler (section 11). acc[i .. i + 15], i = 16 s:
-#pragma unroll                         // segment s of rows rw and rw + 8, 8 values a lane, a quad's 32
-        for (int i = 0; i < BN / 2; i += 16)
-#pragma unroll
-            for (int hf = 0; hf < 2; hf++) {
-                float most = NEG_INF;
-#pragma unroll
-                for (int j = 0; j < 4; j++)
-#pragma unroll
-                    for (int e = 0; e < 2; e++)
-                        if (!edge || n0 + 2 * i + 8 * j + cw + e < N) most = fmaxf(most, acc[i + 4 * j + 2 * hf + e]);
-                lane_max[(rw + 8 * hf) * MLD + i / 4 + (lane & 3)] = most;
-            }
-    }
     __syncthreads();
     auto run = [&](int u, int& r, int& c) { int q = tid + u * THREADS; r = q / (BN / 4); c = q % (BN / 4) * 4; };
     if (gridDim.z > 1) {  // split-K (N % 4 == 0): leave this split's sums, and the last block adds all up
@@ -806,14 +786,6 @@ __global__ void __launch_bounds__(BM * 2, 256 / BM) matmul_tc(
             *reinterpret_cast<uint2*>(reinterpret_cast<half*>(y) + (long)row * N + col) = *reinterpret_cast<uint2*>(h);
         } else {
             for (int e = 0; e < 4 && col + e < N; e++) store_y(y, (long)row * N + col + e, v[e], y_f32);
-        }
-    }
-    if (BN % LOGIT_SEGMENT == 0 && segment_max) {  // a row's maxima side by side
-        const int S = (N + LOGIT_SEGMENT - 1) / LOGIT_SEGMENT, s0 = n0 / LOGIT_SEGMENT;
-        for (int q = tid; q < BM * SEGS; q += THREADS) {
-            const int r = q / SEGS, s = q % SEGS;
-            const float4 p = *reinterpret_cast<const float4*>(&lane_max[r * MLD + 4 * s]);
-            if (m0 + r < M && s0 + s < S) segment_max[(long)(m0 + r) * S + s0 + s] = fmaxf(fmaxf(p.x, p.y), fmaxf(p.z, p.w));
         }
     }
 }
@@ -967,47 +939,26 @@ extern "C" __global__ void penalize(float* logits, int V, const int* rows, const
     *x = banned[e] ? NEG_INF : v - frequency[row] * n - (n > 0 ? presence[row] : 0.f);
 }
 
-// 11. sampling: nanoinfer.sample_row. Greedy takes the row's argmax. Otherwise the exponential race (Gumbel-max): of the
-// kept tokens (top-k, top-p, min-p: thresholds), the one with the largest logit / T + gumbel(key, token) (race_noise),
-// the noise keyed by (seed, step, token) so that nothing else in the batch can move it. The race needs no running sum
-// and the kept set holds the largest logits only, so nothing is sorted. Two kernels:
-// - sample_pass, 13 blocks a row even at batch 1: every warp reduces 512 logits of a row (32-logit segments dealt out
-//   in turn, so the low ids of common tokens spread over all warps) to a WarpSummary (max, sum of exp for top-p; with
-//   top-k off, the race's best) and hands on its largest logits: all above a cutoff, at most 16. The cutoff starts
-//   just below its 8th-largest lane maximum (>= 8 logits lie above that), raised by bisection in the rare warp where
-//   more than 16 do;
-// - sample_pick, a block a row, picks the token. With top-k off, the race over every token stands whenever its winner
-//   is kept (probability >= top_p): only that is checked. Otherwise every logit above the largest cutoff (the "head",
-//   ~300 of GPT-2's 50257 on random logits; with top-k only those at or above the k-th largest warp maximum) is a
-//   candidate. When the head holds every kept token (the usual case) each entry counts the entries above it and
-//   their mass, which decides top-k and top-p for it, and the kept entries race. Otherwise (a flat row, a large k)
-//   the thresholds come from a radix select over the whole row (three passes each), and the kept tokens race in one
-//   more.
-// The pick is a kernel of its own rather than the last of a row's blocks to finish the pass: counting arrivals held
-// every block of the pass until its atomic returned, and a kernel gets the registers of its largest part: the
-// pick's capped the pass (40 alone) at 4 blocks an SM. Reads 4 bytes a logit once (the pick's passes hit L2); a few
-// FLOPs a logit, ~25 more to race it.
-// Logits that matmul_tc made (the lm_head of 9 rows and more) come with each 32-logit segment's max: greedy and top-k
-// rows then skip the pass, and the pick reads the maxima and the few segments that can hold the top k
-// (pick_from_maxima): 1 / 32 of the bytes, where a pass at batch 256 reads 51 MB.
-constexpr int SAMPLE_PER_LANE = 16, SAMPLE_RANK = 8, SAMPLE_CAP = 16;  // a warp's 512 logits; its candidates
-constexpr int SAMPLE_HEAD = 1024, SAMPLE_BINS = 2048;  // the pick's head; the radix select's bins (11-bit digits)
-constexpr int SAMPLE_MAX_WARPS = 128;  // a row's warps at most: V <= 65536 (the radix select's 16-bit counts)
-
-struct WarpSummary {  // one warp's share of a row, for the row's pick
-    float max; int argmax;    // the largest logit and its first index
-    float sumexp;             // sum of exp((logit - max) / T), for top-p alone
-    unsigned cutoff;          // every logit whose order_key is above it is among the warp's candidates
-    float race; int race_at;  // top-k off: the best race score (race_noise's units), and its token
-};
-
-struct Filters {  // one row's sampling parameters
-    float T, inv_t, top_p, min_p;
-    float race_scale;         // log2(e) / T: a logit's share of its race score (race_noise)
-    int top_k;                // 0: off (also for k >= V)
-    unsigned long long key;   // the race's noise key: splitmix64(seed, step)
-    bool races_all;           // nothing filtered: every token races
-};
+// 11. sample: one token per row (nanoinfer.sample_row). Greedy takes the row's first argmax. Otherwise the
+// exponential race (Gumbel-max): of the tokens temperature, top-k, top-p and min-p keep, the one with the largest
+// logit / T + gumbel(key, token), the noise keyed by (seed, token index, token id), so nothing else in the batch can
+// move it. Each filter keeps the logits at or above a threshold, so the kept tokens are {logit >= t}, and only the few
+// logits near the top need sorting. Two kernels, as flash-decoding splits a row so that batch 1 fills the GPU:
+// - sample_pass, a warp per 512 logits of a row (99 for GPT-2, 13 blocks), hands on a WarpSummary (max and first
+//   argmax; with no filter, its race's winner; for top-p, its sum of p) and, for a filtered row, its 8-16 largest
+//   logits (a cut found by bisection, a warp reduction a step), with the largest logit it kept back (its bound);
+// - sample_pick, a block a row: the head is every candidate above the largest bound, and so every logit above it
+//   (with top-k, only those at or above the k-th largest warp maximum: k logits reach that). When the head holds the
+//   kept set (top-k: k of it; top-p: top_p of the mass; min-p: its floor above the bound) it is sorted largest first
+//   (bitonic): top-k keeps its first k (and their ties), top-p its shortest prefix holding top_p of the mass, and the
+//   kept ones that min-p leaves race. Otherwise (a flat row, a large k, ties) the exact way: the row in shared memory,
+//   the threshold by bisection over it (by value, then by bit pattern: where adjacent floats bound it, it is exact),
+//   the head taken from the row or, if the kept tokens outnumber it, a race over the row.
+// Masses are integers (p in 2^-31 units) where the pick compares them: sums the same in any order. Bytes: 4 a logit,
+// read once (the exact way: twice); a few FLOPs a logit a pass, ~25 more a raced logit.
+constexpr int SAMPLE_MIN = 8, SAMPLE_CAP = 16;  // the candidates a warp of the pass hands on
+constexpr int SAMPLE_THREADS = 256, SAMPLE_HEAD = 2048, SAMPLE_PER = SAMPLE_HEAD / SAMPLE_THREADS;  // the pick's
+constexpr int SAMPLE_GOAL = 256, SAMPLE_BY_VALUE = 12;  // the exact way's bisection: its goal, its steps by value
 
 __device__ __forceinline__ unsigned order_key(float x) {  // unsigned integers that order as the floats do
     const unsigned u = __float_as_uint(x);  // negative: all bits flipped; else the sign bit set
@@ -1015,8 +966,8 @@ __device__ __forceinline__ unsigned order_key(float x) {  // unsigned integers t
 }
 __device__ __forceinline__ float key_float(unsigned k) { return __uint_as_float(k & 0x80000000u ? k & 0x7fffffffu : ~k); }
 
-__device__ __forceinline__ unsigned long long sample_key(unsigned long long seed, int step) {  // splitmix64
-    unsigned long long z = seed + (unsigned long long)(step + 1) * 0x9E3779B97F4A7C15ull;
+__device__ __forceinline__ unsigned long long sample_key(unsigned long long seed, int token_index) {  // splitmix64
+    unsigned long long z = seed + (unsigned long long)(token_index + 1) * 0x9E3779B97F4A7C15ull;
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
     z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
     return z ^ (z >> 31);
@@ -1043,510 +994,350 @@ __device__ __forceinline__ float race_noise(unsigned long long key, int token) {
     return -lg2_approx(d < 0.0625f ? series : -lg2_approx(u));
 }
 
-__device__ __forceinline__ void argmax_merge(float& v, int& i, float v2, int i2) {  // ties: the first index
-    if (v2 > v || (v2 == v && i2 < i)) { v = v2; i = i2; }
-}
-__device__ __forceinline__ void warp_argmax(float& v, int& i) {  // two redux.sync: a warp's reduction in one each
-    const unsigned key = order_key(v + 0.f), best = __reduce_max_sync(FULL_MASK, key);  // + 0: -0 ties with +0
-    i = (int)__reduce_min_sync(FULL_MASK, key == best ? (unsigned)i : ~0u);
-    v = key_float(best);
-}
-__device__ void block_argmax(float& v, int& i) {  // every thread gets the block's (value, first index)
-    __shared__ float vs[32];
-    __shared__ int is[32];
-    warp_argmax(v, i);
-    __syncthreads();  // the arrays may still be read by a previous call
-    if ((threadIdx.x & 31) == 0) { vs[threadIdx.x >> 5] = v; is[threadIdx.x >> 5] = i; }
-    __syncthreads();
-    for (int w = 0; w < (int)(blockDim.x >> 5); w++) argmax_merge(v, i, vs[w], is[w]);
-}
-template <typename T> __device__ T block_sum(T v) {  // the same order in every thread
+template <typename T, typename Op> __device__ T block_reduce(T v, Op op) {  // every thread gets op over the block
     __shared__ T scratch[32];
-    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(FULL_MASK, v, off);
-    __syncthreads();
+    for (int off = 16; off > 0; off >>= 1) v = op(v, __shfl_xor_sync(FULL_MASK, v, off));
+    __syncthreads();  // a previous call's readers are done with the scratch
     if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
     __syncthreads();
-    T total = 0;
-    for (int w = 0; w < (int)(blockDim.x >> 5); w++) total += scratch[w];
-    return total;
-}
-template <typename T> __device__ T block_scan(T v, T& total) {  // the inclusive prefix sum over threads, and the sum
-    __shared__ T scratch[32];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-    for (int off = 1; off < 32; off <<= 1) { const T n = __shfl_up_sync(FULL_MASK, v, off); if (lane >= off) v += n; }
-    __syncthreads();
-    if (lane == 31) scratch[warp] = v;
-    __syncthreads();
-    total = 0;
-    for (int w = 0; w < warps; w++) { if (w < warp) v += scratch[w]; total += scratch[w]; }
+    v = scratch[0];
+    for (int w = 1; w < (int)(blockDim.x >> 5); w++) v = op(v, scratch[w]);  // the same order in every thread
     return v;
 }
-
-// p as an integer, in units of 2^-31: integer sums are the same in any order, so the thresholds do not depend on
-// which block finished first (fp32 atomics would)
-__device__ __forceinline__ unsigned long long fixed_p(float p) { return (unsigned)(p * 2147483648.f); }
-
-// one warp's 512 logits of a row (v: this lane's) -> its WarpSummary and candidates (order key << 32 | token; 0: empty)
-__device__ void summarize_warp(const float* x, const float (&v)[SAMPLE_PER_LANE], int V, int first, int stride,
-                               const Filters& f, WarpSummary* summary, unsigned long long* out) {
-    const int lane = threadIdx.x & 31;  // v[j] is logit first + j * stride (-inf past the row's end)
-    float lane_max = NEG_INF;
-    int lane_at = V;
-    if (f.T == 0.f) {  // greedy: the first index of the largest
-#pragma unroll
-        for (int j = 0, i = first; j < SAMPLE_PER_LANE; j++, i += stride)
-            if (v[j] > lane_max) { lane_max = v[j]; lane_at = i; }
-    } else {  // the largest alone: the pick needs no index
-#pragma unroll
-        for (int j = 0; j < SAMPLE_PER_LANE; j++) lane_max = fmaxf(lane_max, v[j]);
-    }
-    float m = lane_max;
-    int at = lane_at;
-    warp_argmax(m, at);
-    WarpSummary s = {m, at, 0.f, 0u, NEG_INF, V};
-    if (f.T > 0.f && f.top_k == 0) {  // race every logit here: the answer when nothing is filtered, else a first try
-        float best = NEG_INF;
-        int best_at = V;
-#pragma unroll
-        for (int j = 0, i = first; j < SAMPLE_PER_LANE; j++, i += stride) {  // ties keep the first: i grows with j
-            const float score = v[j] * f.race_scale + race_noise(f.key, i);  // -inf for -inf (the noise is finite)
-            if (score > best) { best = score; best_at = i; }
-        }
-        warp_argmax(best, best_at);
-        s.race = best;
-        s.race_at = best_at;
-    }
-    if (f.T > 0.f && !f.races_all) {
-        if (f.top_k == 0 && f.top_p < 1.f && m != NEG_INF) {  // __expf: masses place top-p's boundary only to
-            float sum = 0.f;                                     // within rounding anyway
-#pragma unroll
-            for (int j = 0; j < SAMPLE_PER_LANE; j++) sum += __expf((v[j] - m) * f.inv_t);
-            s.sumexp = warp_sum(sum);
-        }
-        unsigned rest = order_key(lane_max), kth = 0u;  // the 8th largest lane maximum: the largest leaves each round
-        for (int r = 0; r < SAMPLE_RANK; r++) {
-            kth = __reduce_max_sync(FULL_MASK, rest);
-            if (lane == __ffs(__ballot_sync(FULL_MASK, rest == kth)) - 1) rest = 0u;  // order keys are > 0
-        }
-        unsigned key[SAMPLE_PER_LANE];  // the logits as order keys, made once (the logits are not needed after)
-#pragma unroll
-        for (int j = 0; j < SAMPLE_PER_LANE; j++) key[j] = order_key(v[j]);
-        auto above = [&](unsigned cut) {  // which of this lane's logits have an order key above cut: bit j for v[j]
-            unsigned bits = 0u;
-#pragma unroll
-            for (int j = 0; j < SAMPLE_PER_LANE; j++) bits |= (unsigned)(key[j] > cut) << j;
-            return bits;
-        };
-        unsigned cut = kth - 1, mine = above(cut);
-        if (__reduce_add_sync(FULL_MASK, __popc(mine)) > SAMPLE_CAP) {  // crowded: the least cutoff leaving <= 16
-            unsigned lo = cut, hi = order_key(m);
-            while (hi - lo > 1) {
-                const unsigned mid = lo + (hi - lo) / 2;
-                if (__reduce_add_sync(FULL_MASK, __popc(above(mid))) <= SAMPLE_CAP) hi = mid; else lo = mid;
-            }
-            cut = hi;
-            mine = above(cut);
-        }
-        const int n = __popc(mine);
-        int pos = 0;  // this lane's place in the warp's list: the lanes below's candidates, a bit of n (<= 16) a time
-#pragma unroll
-        for (int b = 0; b < 5; b++) pos += __popc(__ballot_sync(FULL_MASK, n >> b & 1) & ((1u << lane) - 1)) << b;
-        s.cutoff = cut;
-        const int count = __reduce_add_sync(FULL_MASK, n);
-        if (count <= lane && lane < SAMPLE_CAP) out[lane] = 0ull;  // an empty slot
-        // this lane's candidates, usually none or one: their logits read again (L1) rather than picked out of key[]
-        // by an index only known at run time, which would put key[] in local memory
-        for (; mine; mine &= mine - 1) {
-            const int i = first + (__ffs(mine) - 1) * stride;
-            out[pos++] = (unsigned long long)order_key(x[i]) << 32 | (unsigned)i;
-        }
-    }
-    if (lane == 0) *summary = s;
+template <typename T> __device__ T block_sum(T v) { return block_reduce(v, [](T a, T b) { return a + b; }); }
+__device__ unsigned long long block_max(unsigned long long v) {
+    return block_reduce(v, [](unsigned long long a, unsigned long long b) { return a > b ? a : b; });
+}
+// (value, index) as one integer whose max is the largest value, ties to the least index: argmax in one reduction
+__device__ __forceinline__ unsigned long long ranked(float v, int i) {
+    return (unsigned long long)order_key(v) << 32 | ~(unsigned)i;
+}
+__device__ __forceinline__ unsigned long long warp_max(unsigned long long v) {  // two redux.sync, not 10 shuffles
+    const unsigned hi = __reduce_max_sync(FULL_MASK, (unsigned)(v >> 32));
+    return (unsigned long long)hi << 32 | __reduce_max_sync(FULL_MASK, (unsigned)(v >> 32) == hi ? (unsigned)v : 0u);
 }
 
-// fn(logit, index) for every logit of a row, by the whole block: a pass of the pick's, over a row the pass has just
-// read (mostly L2). 16-byte loads, eight in flight a thread: one block alone must keep ~32 KB on the way to stream a row.
-template <typename Fn> __device__ void for_each_logit(const float* x, int V, Fn fn) {
-    const int head = min(V, (int)((16 - ((size_t)x & 15)) & 15) / 4), n4 = (V - head) / 4;  // floats before 16 B
-    if ((int)threadIdx.x < head) fn(x[threadIdx.x], threadIdx.x);
-    const float4* x4 = reinterpret_cast<const float4*>(x + head);
-#pragma unroll 8
-    for (int i = threadIdx.x; i < n4; i += blockDim.x) {
-        const float4 q = x4[i];
-        const int at = head + 4 * i;
-        fn(q.x, at); fn(q.y, at + 1); fn(q.z, at + 2); fn(q.w, at + 3);
+struct Filters {  // one row's sampling parameters
+    float T, m;               // temperature; the row's largest logit (the pick's)
+    float inv_t, race_scale;  // 1 / T; log2(e) / T, a logit's share of its race score (race_noise's units)
+    float top_p, min_p;
+    int top_k;                // 0: off (also for k >= V)
+    unsigned long long key;   // the race's noise key: splitmix64(seed, token index)
+    __device__ bool races_all() const { return top_k == 0 && top_p >= 1.f && min_p <= 0.f; }
+    __device__ float prob(float x) const { return __expf((x - m) * inv_t); }  // p relative to the most likely's
+    __device__ unsigned long long race(float x, int i) const {  // the race's entry of logit x, token i
+        return ranked(x * race_scale + race_noise(key, i), i);
     }
-    const int tail = head + 4 * n4 + threadIdx.x;
-    if (tail < V) fn(x[tail], tail);
-}
-
-// The least of SAMPLE_BINS bins whose bins up to it weigh >= target (set from the bins' total by target_of), and the
-// weight of the bins below it, in every thread; past the total, the last bin. Each thread sums SAMPLE_BINS / nt bins.
-template <typename Weight, typename Target>
-__device__ unsigned bin_reaching(Weight weight, Target target_of, unsigned long long& target, unsigned long long& below) {
-    __shared__ unsigned chosen;
-    __shared__ unsigned long long chosen_below;
-    const int tid = threadIdx.x, per = SAMPLE_BINS / blockDim.x;
-    if (tid == 0) { chosen = SAMPLE_BINS - 1; chosen_below = 0; }
-    unsigned long long mine = 0, total;  // this thread's bins: [tid * per, tid * per + per)
-    for (int b = tid * per; b < tid * per + per; b++) mine += weight(b);
-    unsigned long long run = block_scan(mine, total) - mine;  // (its barriers order the write above)
-    target = target_of(total);
-    if (run < target && target <= run + mine)
-        for (int b = tid * per; b < tid * per + per; b++) {
-            if (run + weight(b) >= target) { chosen = b; chosen_below = run; break; }
-            run += weight(b);
-        }
-    __syncthreads();
-    const unsigned b = chosen;
-    below = chosen_below;
-    __syncthreads();  // read before the next call writes them
-    return b;
-}
-
-// The last resort's radix select, over q(logit) = ~order_key(logit): 32 bits that order the logits from the largest
-// down, two floats never sharing one (a linear scale from the row's least logit to its max would tie logits one float
-// apart there: their difference from the max rounds alike). The least t with weight(q <= t) >= target(total
-// weight), over the tokens with q <= limit: three passes of one 11-bit digit each, a histogram in shared memory and
-// a prefix sum over it.
-template <typename Weight, typename Target>
-__device__ unsigned radix_select(const float* x, int V, unsigned limit, Weight weight, Target target_of,
-                                 unsigned* low, unsigned* high) {  // a bin's weight: high << 16 + low
-    const int tid = threadIdx.x, nt = blockDim.x;
-    unsigned prefix = 0u, decided = 0u;  // the digits of t found so far, and their bits
-    unsigned long long target = 0, below;
-    for (int digit = 0; digit < 3; digit++) {
-        const int shift = max(0, 21 - 11 * digit);  // bits 31-21, 20-10, then 10-0 (bit 10 known by then)
-        for (int b = tid; b < SAMPLE_BINS; b += nt) low[b] = high[b] = 0u;
-        __syncthreads();
-        for_each_logit(x, V, [&](float l, int) {
-            const unsigned qi = ~order_key(l);
-            if (qi <= limit && (qi & decided) == prefix) {  // a weight < 2^32 as two 16-bit halves: 32-bit
-                const unsigned b = (qi >> shift) & (SAMPLE_BINS - 1), wt = weight(l);  // adds that return nothing
-                atomicAdd(&low[b], wt & 0xffffu);  // (64-bit shared atomics are a CAS loop), and V < 2^16 of each
-                if (wt >> 16) atomicAdd(&high[b], wt >> 16);  // half cannot overflow 32 bits
-            }
-        });
-        __syncthreads();
-        const unsigned chosen = bin_reaching(
-            [&](int b) { return ((unsigned long long)high[b] << 16) + low[b]; },
-            [&](unsigned long long total) { return decided ? target : max(1ull, target_of(total)); }, target, below);
-        prefix |= chosen << shift;
-        decided |= (SAMPLE_BINS - 1) << shift;
-        target -= below;
-    }
-    return prefix;
-}
-
-// a logit's probability before normalising (m: the row's max), and its race against the best so far (r, r_at)
-__device__ __forceinline__ float prob(const Filters& f, float m, float logit) { return __expf((logit - m) * f.inv_t); }
-__device__ __forceinline__ void race(const Filters& f, float& r, int& r_at, float logit, int token) {
-    argmax_merge(r, r_at, logit * f.race_scale + race_noise(f.key, token), token);
-}
-
-// The race among the head's entries that the filters keep, when the head holds every kept token: each entry counts
-// the entries above it and their mass, which decides top-k and top-p for it (this thread's entries: tid + j * nt)
-__device__ int race_head(const unsigned long long* head, const unsigned long long* head_mass, int N, int V,
-                         const Filters& f, float m, unsigned long long row_target) {
-    const int tid = threadIdx.x, nt = blockDim.x, k = f.top_k;
-    float r = NEG_INF;
-    int r_at = V;
-    int larger[SAMPLE_HEAD / 256];
-    unsigned long long above[SAMPLE_HEAD / 256], kept_mass = 0;
-#pragma unroll
-    for (int j = 0; j < SAMPLE_HEAD / 256; j++) {
-        const int e = tid + j * nt;
-        larger[j] = 0;
-        above[j] = 0;
-        if (e >= N) continue;
-        const unsigned ek = (unsigned)(head[e] >> 32);
-        const ulonglong2 *h2 = reinterpret_cast<const ulonglong2*>(head), *p2 = reinterpret_cast<const ulonglong2*>(head_mass);
-        int larger2 = 0;  // the odd entries' counts apart: two chains of dependent adds, each half as long
-        unsigned long long above2 = 0;
-#pragma unroll 4
-        for (int i = 0; i < N / 2; i++) {  // two entries per 16-byte load
-            const ulonglong2 h = h2[i], p = p2[i];
-            if ((unsigned)(h.x >> 32) > ek) { larger[j]++; above[j] += p.x; }
-            if ((unsigned)(h.y >> 32) > ek) { larger2++; above2 += p.y; }
-        }
-        if (N & 1 && (unsigned)(head[N - 1] >> 32) > ek) { larger2++; above2 += head_mass[N - 1]; }
-        larger[j] += larger2;
-        above[j] += above2;
-        if (k > 0 && larger[j] < k) kept_mass += head_mass[e];
-    }
-    // top-p: kept while the mass above is below top_p of the top-k set's mass (or of the row's)
-    const unsigned long long target = k > 0 ? (unsigned long long)((double)f.top_p * block_sum(kept_mass)) : row_target;
-#pragma unroll
-    for (int j = 0; j < SAMPLE_HEAD / 256; j++) {
-        const int e = tid + j * nt;
-        if (e >= N) continue;
-        const float logit = key_float((unsigned)(head[e] >> 32));
-        if ((k == 0 || larger[j] < k) && (f.top_p >= 1.f || above[j] < target) && prob(f, m, logit) >= f.min_p)
-            race(f, r, r_at, logit, (int)(unsigned)head[e]);
-    }
-    block_argmax(r, r_at);
-    return r_at;
-}
-
-// The last resort: the thresholds by radix select over the whole row (smem: the bins), and the race among all it keeps
-__device__ int race_row(const float* x, int V, const Filters& f, float m, unsigned long long* smem) {
-    const int k = f.top_k;
-    float r = NEG_INF;
-    int r_at = V;
-    unsigned t = ~0u, *low = reinterpret_cast<unsigned*>(smem), *high = low + SAMPLE_BINS;  // kept: q <= t
-    if (k > 0)
-        t = radix_select(x, V, t, [](float) { return 1u; }, [&](unsigned long long) { return (unsigned long long)k; },
-                         low, high);
-    if (f.top_p < 1.f)
-        t = radix_select(x, V, t, [&](float l) { return (unsigned)fixed_p(prob(f, m, l)); },
-                         [&](unsigned long long total) { return (unsigned long long)((double)f.top_p * total); },
-                         low, high);
-    for_each_logit(x, V, [&](float l, int i) { if (~order_key(l) <= t && prob(f, m, l) >= f.min_p) race(f, r, r_at, l, i); });
-    block_argmax(r, r_at);
-    return r_at;
-}
-
-// the row's pick: the token, from the warps' summaries and candidates (see the section's head)
-__device__ int pick_token(const float* x, int V, int W, const Filters& f, const WarpSummary* ws,
-                          const unsigned long long* candidates, unsigned long long* smem) {
-    __shared__ __align__(16) float maxima[SAMPLE_MAX_WARPS];            // the warps' maxima, for top-k's floor
-    __shared__ unsigned bound, kth_max;
-    __shared__ int n_head;
-    const int tid = threadIdx.x, nt = blockDim.x, k = f.top_k;
-    if (tid == 0) { bound = 0u; kth_max = ~0u; n_head = 0; }
-    __syncthreads();
-    // warp tid's summary, read once (W <= 128 < 256 threads); the other threads' never win a reduction
-    const bool has = tid < W;
-    const float wm = has ? __ldcg(&ws[tid].max) : NEG_INF, wsum = has ? __ldcg(&ws[tid].sumexp) : 0.f;
-    float m = wm, r = has ? __ldcg(&ws[tid].race) : NEG_INF;  // the row's max; the race's best so far
-    int at = has ? __ldcg(&ws[tid].argmax) : V, r_at = has ? __ldcg(&ws[tid].race_at) : V;  // and their tokens
-    const unsigned cutoff = __reduce_max_sync(FULL_MASK, has ? __ldcg(&ws[tid].cutoff) : 0u);
-    if ((tid & 31) == 0) atomicMax(&bound, cutoff);  // an atomic a warp
-    if (tid < SAMPLE_MAX_WARPS) maxima[tid] = wm;
-    block_argmax(m, at);
-    if (f.T == 0.f) return at;
-    if (k == 0) block_argmax(r, r_at);  // every token raced in its warp: the best of the warps' best
-    if (f.races_all) return r_at;
-    auto P = [&](float logit) { return prob(f, m, logit); };
-    // Top-p or min-p alone: the race over every token picks the kept token with the best score whenever its own
-    // winner is kept, which it is with probability >= top_p: then the winner stands, with no thresholds to find
-    // (rejection sampling's idea, but exact: the same token as the definition's)
-    const int raced = r_at;
-    const float won = k == 0 && raced < V ? x[raced] : NEG_INF;  // raced == V: every logit is -inf
-    const bool won_min_p = P(won) >= f.min_p;
-    if (k == 0 && f.top_p >= 1.f && won_min_p) return raced;  // min-p alone
-    // top-p alone: the row's mass, from the warps' sums
-    const double mass = k == 0 ? block_sum(wm == NEG_INF ? 0.0 : wsum * (double)P(wm)) : 0.0;
-    // top-p alone keeps a token while the mass above it is below this (in fixed_p's units)
-    const unsigned long long row_target = (unsigned long long)((double)f.top_p * mass * 2147483648.0);
-
-    // the head: every candidate above the largest cutoff, as every logit above it is one. With top-k (k <= W) only
-    // those at or above the k-th largest warp maximum can be in the top k (k logits reach it): the rest are dropped
-    const bool floor = 0 < k && k <= W;
-    unsigned kth = ~0u;  // the k-th largest warp maximum: the least that fewer than k exceed
-    if (floor) {  // how many maxima exceed maximum tid / 2: two threads, each counting over half the list
-        const float mine = maxima[min(tid >> 1, SAMPLE_MAX_WARPS - 1)];
-        const float4* half = reinterpret_cast<const float4*>(maxima) + (tid & 1) * SAMPLE_MAX_WARPS / 8;
-        int larger = 0;
-#pragma unroll
-        for (int q = 0; q < SAMPLE_MAX_WARPS / 8; q++)
-            larger += (half[q].x > mine) + (half[q].y > mine) + (half[q].z > mine) + (half[q].w > mine);
-        larger += __shfl_xor_sync(FULL_MASK, larger, 1);
-        if ((tid >> 1) < W && larger < k) kth = order_key(mine);
-    }
-    kth = __reduce_min_sync(FULL_MASK, kth);
-    if ((tid & 31) == 0) atomicMin(&kth_max, kth);
-    __syncthreads();
-    const unsigned least = floor ? max(bound + 1, kth_max) : bound + 1;  // the least order key kept
-    unsigned long long *head = smem, *head_mass = smem + SAMPLE_HEAD, in_mass = 0, above_won = 0;
-    for (int first = 0; first < W * SAMPLE_CAP; first += 8 * nt) {  // one round while V <= 65536
-        unsigned long long c[8];
-#pragma unroll
-        for (int j = 0; j < 8; j++) {  // all loads in flight at once
-            const int i = first + j * nt + tid;
-            c[j] = i < W * SAMPLE_CAP ? __ldcg(&candidates[i]) : 0ull;
-        }
-        unsigned kept[8];  // which lanes keep their j-th candidate
-        int n = 0;         // the warp's entries, all 8 rounds
-#pragma unroll
-        for (int j = 0; j < 8; j++) {
-            kept[j] = __ballot_sync(FULL_MASK, (unsigned)(c[j] >> 32) >= least);
-            n += __popc(kept[j]);
-        }
-        int slot = 0;  // the warp's entries take consecutive slots: one shared atomic a warp, not one a round
-        if ((tid & 31) == 0 && n) slot = atomicAdd(&n_head, n);
-        slot = __shfl_sync(FULL_MASK, slot, 0);
-#pragma unroll
-        for (int j = 0; j < 8; j++) {
-            const int place = slot + __popc(kept[j] & ((1u << (tid & 31)) - 1));
-            slot += __popc(kept[j]);
-            if (kept[j] >> (tid & 31) & 1) {  // in any order: nothing below depends on it
-                const unsigned key = (unsigned)(c[j] >> 32);
-                const unsigned long long p = fixed_p(P(key_float(key)));
-                in_mass += p;
-                if (key > order_key(won)) above_won += p;
-                if (place < SAMPLE_HEAD) { head[place] = c[j]; head_mass[place] = p; }
-            }
-        }
-    }
-    __syncthreads();
-    const int N = n_head;
-    // does it hold every token the filters keep? top-k: k <= N; else top-p: top_p of the mass; else min-p alone
-    bool in_head = N <= SAMPLE_HEAD;
-    if (k > 0) {
-        in_head = in_head && k <= N;
-    } else if (f.top_p < 1.f) {  // the race's winner stands if it is in the head, and kept
-        const bool won_in_head = order_key(won) >= least;
-        if (block_sum(above_won) < row_target && won_in_head && won_min_p) return raced;
-        in_head = in_head && block_sum(in_mass) >= row_target;
-    } else {
-        in_head = in_head && P(key_float(bound)) < f.min_p;
-    }
-
-    if (in_head) return race_head(head, head_mass, N, V, f, m, row_target);
-    if (k == 0 && won_min_p && order_key(won) < least) {  // a flat row: one pass for the mass above the winner
-        unsigned long long above = 0;
-        for_each_logit(x, V, [&](float l, int) { if (l > won) above += fixed_p(P(l)); });
-        if (block_sum(above) < row_target) return raced;
-    }
-    __syncthreads();  // the head is done with: its memory holds the bins
-    return race_row(x, V, f, m, smem);
-}
-
-// The pick of a greedy or top-k row from the lm_head's 32-logit segment maxima (matmul_tc leaves them), in place of
-// the pass: the row's max and first argmax come from the S = V / 32 maxima. Top-k: a histogram of m - max over the
-// maxima's range (bins order as the logits do, reversed) finds the least bin b that k maxima reach: every logit in a
-// later bin has k maxima above it, so the top k lie in the k or so segments whose max is in bins <= b, and the head
-// is their logits in bins <= b. Only those are read: ~1 / 32 of a row's bytes and ~k segments.
-__device__ int pick_from_maxima(const float* x, int V, const Filters& f, const float* maxima, unsigned long long* smem) {
-    __shared__ int n_head;
-    __shared__ float warp_least[32];
-    constexpr int PER = SAMPLE_MAX_WARPS * 512 / LOGIT_SEGMENT / 256;  // a thread's share of V <= 65536: 8
-    const int tid = threadIdx.x, nt = blockDim.x, S = (V + LOGIT_SEGMENT - 1) / LOGIT_SEGMENT, k = f.top_k;
-    unsigned* count = reinterpret_cast<unsigned*>(smem);  // top-k's histogram, zeroed while the maxima come
-    for (int b = tid; b < SAMPLE_BINS; b += nt) count[b] = 0u;
-    float seg[PER];  // this thread's segments' maxima: segment tid + j * nt
-    float m = NEG_INF, least = NEG_INF;  // the row's max; its least finite segment max, negated (for a max)
-    int at = S, unused = 0;
-#pragma unroll
-    for (int j = 0; j < PER; j++) {
-        const int s = tid + j * nt;
-        seg[j] = s < S ? __ldcg(&maxima[s]) : NEG_INF;
-        if (seg[j] > m) { m = seg[j]; at = s; }
-        if (seg[j] != NEG_INF) least = fmaxf(least, -seg[j]);
-    }
-    warp_argmax(least, unused);
-    if ((tid & 31) == 0) warp_least[tid >> 5] = least;
-    block_argmax(m, at);  // the row's max, and the first segment holding it (its barriers publish the above too)
-    if (f.T == 0.f) {     // greedy: that segment's first logit equal to the max
-        const int i = at * LOGIT_SEGMENT + (tid & 31);
-        const unsigned equal = __ballot_sync(FULL_MASK, i < V && x[i] == m);
-        return equal ? at * LOGIT_SEGMENT + __ffs(equal) - 1 : V;  // V: every logit -inf
-    }
-    if (k > S) return race_row(x, V, f, m, smem);  // every segment holds one of the top k
-    for (int w = 0; w < nt / 32; w++) least = fmaxf(least, warp_least[w]);
-    const float scale = m + least > 0.f ? (SAMPLE_BINS - 1) / (m + least) : 0.f;
-    auto bin_of = [&](float l) { return (int)fminf((m - l) * scale, SAMPLE_BINS - 1); };  // -inf, nan: the last
-#pragma unroll
-    for (int j = 0; j < PER; j++)
-        if (tid + j * nt < S) atomicAdd(&count[bin_of(seg[j])], 1u);
-    __syncthreads();
-    unsigned long long target, below;
-    const int last = bin_reaching([&](int b) { return (unsigned long long)count[b]; },
-                                  [&](unsigned long long) { return (unsigned long long)k; }, target, below);
-    const int n_seg = (int)(below + count[last]);  // the segments whose max is in bins <= last: >= k of them
-    __syncthreads();  // every thread has read the counts: their memory is free
-    if (n_seg > SAMPLE_HEAD) return race_row(x, V, f, m, smem);  // more than the head has entries: the last resort
-    __shared__ int seg_list[SAMPLE_HEAD], n_listed;
-    if (tid == 0) n_listed = n_head = 0;
-    __syncthreads();
-#pragma unroll
-    for (int j = 0; j < PER; j++)
-        if (tid + j * nt < S && bin_of(seg[j]) <= last) seg_list[atomicAdd(&n_listed, 1)] = tid + j * nt;
-    __syncthreads();
-    // their logits in bins <= last go to the head: a segment a warp, 8 a warp in flight
-    unsigned long long *head = smem, *head_mass = smem + SAMPLE_HEAD;
-    for (int first = tid / 32; first < n_seg; first += 8 * nt / 32) {
-        float l[8];
-        int i[8];
-#pragma unroll
-        for (int u = 0; u < 8; u++) {
-            const int c = first + u * nt / 32;
-            i[u] = c < n_seg ? seg_list[c] * LOGIT_SEGMENT + (tid & 31) : V;
-            l[u] = i[u] < V ? x[i[u]] : NEG_INF;
-        }
-#pragma unroll
-        for (int u = 0; u < 8; u++) {
-            if (i[u] >= V || bin_of(l[u]) > last) continue;
-            const int place = atomicAdd(&n_head, 1);
-            if (place < SAMPLE_HEAD) {
-                head[place] = (unsigned long long)order_key(l[u]) << 32 | (unsigned)i[u];
-                head_mass[place] = fixed_p(prob(f, m, l[u]));
-            }
-        }
-    }
-    __syncthreads();
-    const int N = n_head;  // >= k: the maxima in bins <= last are entries
-    if (N <= SAMPLE_HEAD) return race_head(head, head_mass, N, V, f, m, 0);
-    __syncthreads();  // the head is done with: its memory holds the bins
-    return race_row(x, V, f, m, smem);
-}
-
-__device__ Filters row_filters(int row, int V, const float* temperature, const int* top_k, const float* top_p,
-                               const float* min_p, const unsigned long long* seed, const int* step) {
+};
+__device__ Filters row_filters(int r, int V, const float* temperature, const int* top_k, const float* top_p,
+                               const float* min_p, const unsigned long long* seed, const int* token_index) {
     Filters f;
-    f.T = temperature[row];
+    f.T = temperature[r];
+    f.m = NEG_INF;
     f.inv_t = __frcp_rn(f.T);  // 1 / T rounded as the division rounds it, without the division's slow path
     f.race_scale = 1.4426950408889634f * f.inv_t;
-    f.top_k = top_k[row] < V ? top_k[row] : 0;
-    f.top_p = top_p[row];
-    f.min_p = min_p[row];
-    f.key = sample_key(seed[row], step[row]);
-    f.races_all = f.top_k == 0 && f.top_p >= 1.f && f.min_p <= 0.f;
+    f.top_p = top_p[r];
+    f.min_p = min_p[r];
+    f.top_k = top_k[r] < V ? top_k[r] : 0;
+    f.key = sample_key(seed[r], token_index[r]);
     return f;
 }
-
-// with the lm_head's segment maxima (segment_max: else null), greedy and top-k rows (k <= 256, so that the ~k segments
-// leave the head room) are picked from those alone
-__device__ __forceinline__ bool picks_from_maxima(const float* segment_max, float T, int top_k) {
-    return segment_max && (T == 0.f || (0 < top_k && top_k <= SAMPLE_HEAD / 4));  // top_k: Filters' (0 for k >= V)
+__device__ __forceinline__ unsigned long long fixed_p(float p) { return (unsigned)(p * 2147483648.f); }
+__device__ __forceinline__ unsigned long long top_p_target(const Filters& f, unsigned long long total) {
+    return (unsigned long long)((double)f.top_p * total);
 }
 
-// The pass: a block per 8 warps' share of a row (13 blocks a row for GPT-2). The logits are loaded first, on their way
-// while the row's parameters come (with segment maxima, after: a row picked from those needs no pass).
+struct Above { int n; unsigned long long mass; };  // the logits >= t: how many, and their p (fixed_p units)
+__device__ Above above(const float4* row, int V4, float t, const Filters& f, bool mass) {
+    int n = 0;
+    unsigned long long p = 0;
+#pragma unroll 4
+    for (int i = threadIdx.x; i < V4; i += blockDim.x) {
+        const float4 q = row[i];
+        for (float x : {q.x, q.y, q.z, q.w})
+            if (x >= t) { n++; if (mass) p += fixed_p(f.prob(x)); }
+    }
+    return {block_sum(n), mass ? block_sum(p) : 0ull};
+}
+
+// Raise lo (its logits meet need; those >= hi do not) until at most SAMPLE_GOAL logits are >= lo, or no logit lies
+// between lo and hi: then lo is the threshold itself. Past SAMPLE_BY_VALUE steps, a head that fits will do.
+template <typename Need>
+__device__ void bisect(const float4* row, int V4, const Filters& f, float& lo, float hi, Above& at_lo, bool mass,
+                       Need need) {
+    for (int i = 0; at_lo.n > (i < SAMPLE_BY_VALUE ? SAMPLE_GOAL : SAMPLE_HEAD); i++) {
+        const unsigned a = order_key(lo), b = order_key(hi);
+        if (b - a <= 1) return;
+        const float t = i < SAMPLE_BY_VALUE ? 0.5f * lo + 0.5f * hi : key_float(a + (b - a) / 2);
+        const Above c = above(row, V4, t, f, mass);
+        if (need(c)) { lo = t; at_lo = c; } else { hi = t; }
+    }
+}
+
+// The head's race: its n entries (ranked logits, in any order) sorted largest first; top-k (k > 0: cut here) keeps
+// the first k and their ties, top-p the shortest prefix holding top_p of the mass (of the top k, or `total`), min-p
+// its floor
+__device__ int race_head(unsigned long long* head, int n, const Filters& f, int k, unsigned long long total) {
+    const int tid = threadIdx.x, nt = blockDim.x;
+    int n2 = 1;
+    while (n2 < n) n2 <<= 1;
+    for (int i = n + tid; i < n2; i += nt) head[i] = 0;  // empty entries sort last
+    __syncthreads();
+    for (int size = 2; size <= n2; size <<= 1)  // bitonic sort, largest first: pairs `stride` apart swap into order
+        for (int stride = size / 2; stride > 0; stride >>= 1) {
+            for (int i = tid; i < n2 / 2; i += nt) {
+                const int a = 2 * i - (i & (stride - 1)), b = a + stride;
+                const unsigned long long x = head[a], y = head[b];
+                if ((x < y) == ((a & size) == 0)) { head[a] = y; head[b] = x; }
+            }
+            __syncthreads();
+        }
+    // thread tid owns entries e0 .. e0 + SAMPLE_PER - 1: their logits and p
+    const int e0 = tid * SAMPLE_PER;
+    float x[SAMPLE_PER];
+    unsigned long long p[SAMPLE_PER], mine = 0;
+#pragma unroll
+    for (int j = 0; j < SAMPLE_PER; j++) {
+        x[j] = e0 + j < n ? key_float((unsigned)(head[e0 + j] >> 32)) : NEG_INF;
+        p[j] = e0 + j < n ? fixed_p(f.prob(x[j])) : 0ull;
+        mine += p[j];
+    }
+    const float t_k = 0 < k && k < n ? key_float((unsigned)(head[k - 1] >> 32)) : NEG_INF;  // the k-th largest
+    if (k > 0) {
+        unsigned long long in_k = 0;
+#pragma unroll
+        for (int j = 0; j < SAMPLE_PER; j++) in_k += x[j] >= t_k ? p[j] : 0ull;
+        total = block_sum(in_k);
+    }
+    float t = t_k;
+    if (f.top_p < 1.f) {  // kept while the mass of the entries before is below the target
+        __shared__ unsigned long long warp_mass[32];
+        const int lane = tid & 31, warp = tid >> 5;
+        unsigned long long before = mine;  // the exclusive prefix sum over entries: by warp, then over warps
+        for (int off = 1; off < 32; off <<= 1) {
+            const unsigned long long v = __shfl_up_sync(FULL_MASK, before, off);
+            if (lane >= off) before += v;
+        }
+        if (lane == 31) warp_mass[warp] = before;
+        before -= mine;
+        __syncthreads();
+        for (int w = 0; w < warp; w++) before += warp_mass[w];
+        const unsigned long long target = top_p_target(f, total);
+        int kept = 0;
+#pragma unroll
+        for (int j = 0; j < SAMPLE_PER; j++) {
+            kept += x[j] >= t_k && before < target;
+            before += p[j];
+        }
+        kept = block_sum(kept);
+        t = fmaxf(t_k, key_float((unsigned)(head[max(kept, 1) - 1] >> 32)));  // the last entry kept, and its ties
+    }
+    unsigned long long best = 0;
+#pragma unroll
+    for (int j = 0; j < SAMPLE_PER; j++)
+        if (x[j] >= t && (f.min_p <= 0.f || f.prob(x[j]) >= f.min_p))
+            best = max(best, f.race(x[j], ~(unsigned)head[e0 + j]));
+    return ~(unsigned)block_max(best);
+}
+
+// The row's race at its exact threshold lo: every logit >= lo that min-p keeps
+__device__ int race_row(const float4* row, int V4, float lo, const Filters& f) {
+    unsigned long long best = 0;
+    for (int i = threadIdx.x; i < 4 * V4; i += blockDim.x) {
+        const float x = reinterpret_cast<const float*>(row)[i];
+        if (x >= lo && (f.min_p <= 0.f || f.prob(x) >= f.min_p)) best = max(best, f.race(x, i));
+    }
+    return ~(unsigned)block_max(best);
+}
+
+// The exact way (see the section's head): row, in shared memory, padded with -inf to V4 * 4 logits
+__device__ int sample_exact(const float* in, int V, Filters& f, float* row, unsigned long long* head) {
+    __shared__ int filled;
+    const int V4 = (V + 3) / 4;
+    const float4* row4 = reinterpret_cast<const float4*>(row);
+    for (int i = threadIdx.x; i < V4 * 4; i += blockDim.x) {  // every copy in flight at once, none in registers
+        if (i < V) asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" :: "r"(smem_addr(row + i)), "l"(in + i));
+        else row[i] = NEG_INF;
+    }
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+    float least = __int_as_float(0x7f800000);  // the least finite logit (+inf: none)
+    for (int i = threadIdx.x; i < V4 * 4; i += blockDim.x)
+        if (row[i] != NEG_INF) least = fminf(least, row[i]);
+    float lo = block_reduce(least, [](float a, float b) { return fminf(a, b); });
+    const float hi = key_float(order_key(f.m) + 1);  // the float above the max: no logit is >= it
+    Above at_lo = above(row4, V4, lo, f, f.top_p < 1.f);  // every finite logit
+    unsigned long long total = at_lo.mass;  // the mass that top-p cuts from
+    bool cut_k = false;  // whether the head still has to cut the top k
+    if (0 < f.top_k && f.top_k < at_lo.n) {
+        bisect(row4, V4, f, lo, hi, at_lo, false, [&](Above c) { return c.n >= f.top_k; });
+        cut_k = at_lo.n <= SAMPLE_HEAD;
+        if (!cut_k && f.top_p < 1.f) total = (at_lo = above(row4, V4, lo, f, true)).mass;  // lo is the k-th largest
+    }
+    if (f.top_p < 1.f && !cut_k) {
+        const unsigned long long target = top_p_target(f, total);
+        bisect(row4, V4, f, lo, hi, at_lo, true, [&](Above c) { return c.mass >= target; });
+    }
+    if (at_lo.n > SAMPLE_HEAD) return race_row(row4, V4, lo, f);
+    if (threadIdx.x == 0) filled = 0;
+    __syncthreads();
+    for (int i = threadIdx.x; i < V; i += blockDim.x)
+        if (row[i] >= lo) head[atomicAdd(&filled, 1)] = ranked(row[i], i);
+    __syncthreads();
+    return race_head(head, at_lo.n, f, cut_k ? f.top_k : 0, total);
+}
+
+struct WarpSummary {            // one warp's share of a row, for the row's pick
+    unsigned long long top;    // its largest logit and first index (ranked)
+    unsigned long long race;   // with no filter: its race's winner (ranked)
+    float sumexp;              // sum of exp((logit - its max) / T), for top-p alone
+    float bound;               // the largest logit it did not hand on as a candidate
+};
+
+// The pass: warp w of a row takes logits w * 512 + lane + 32 j, j < 16, in registers; warps alone, no block barrier
 extern "C" __global__ void __launch_bounds__(256) sample_pass(
-    const float* logits, const float* segment_max, int V, int W, const float* temperature, const int* top_k,
-    const float* top_p, const float* min_p, const unsigned long long* seed, const int* step, WarpSummary* summary,
+    const float* logits, int V, int W, const float* temperature, const int* top_k, const float* top_p,
+    const float* min_p, const unsigned long long* seed, const int* token_index, WarpSummary* summary,
     unsigned long long* candidates) {
     wait_for_inputs();
-    const int row = blockIdx.y, w = blockIdx.x * 8 + (threadIdx.x >> 5), first = w * 32 + (threadIdx.x & 31);
-    if (picks_from_maxima(segment_max, temperature[row], top_k[row] < V ? top_k[row] : 0)) return;
-    const int stride = W * 32;  // this lane's logits: first, first + stride, ... (segment w, w + W, ... of 32)
-    const float* x = logits + (long)row * V;
-    const float* p = x + first;
-    float v[SAMPLE_PER_LANE];  // this warp's 512 logits
+    const int r = blockIdx.y, w = blockIdx.x * 8 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (w >= W) return;
+    const int first = w * 512 + lane;
+    const float* in = logits + (long)r * V;
+    float v[16];
 #pragma unroll
-    for (int j = 0, i = first; j < SAMPLE_PER_LANE; j++, i += stride, p += stride) v[j] = w < W && i < V ? *p : NEG_INF;
-    const Filters f = row_filters(row, V, temperature, top_k, top_p, min_p, seed, step);
-    const long at = (long)row * W + w;  // this warp's summary
-    if (w < W) summarize_warp(x, v, V, first, stride, f, summary + at, candidates + at * SAMPLE_CAP);
+    for (int j = 0; j < 16; j++) v[j] = first + 32 * j < V ? in[first + 32 * j] : NEG_INF;
+    Filters f = row_filters(r, V, temperature, top_k, top_p, min_p, seed, token_index);  // (its loads with the row's)
+    unsigned long long top = 0;
+#pragma unroll
+    for (int j = 0; j < 16; j++) top = max(top, ranked(v[j], first + 32 * j));
+    WarpSummary s = {warp_max(top), 0ull, 0.f, NEG_INF};
+    f.m = key_float((unsigned)(s.top >> 32));  // the warp's max
+    if (f.T > 0.f && f.m != NEG_INF && f.top_k == 0) {  // race every token: the answer unless a filter rejects it
+        unsigned long long best = 0;
+#pragma unroll
+        for (int j = 0; j < 16; j++) best = max(best, f.race(v[j], first + 32 * j));  // -inf: a score of -inf
+        s.race = warp_max(best);
+    }
+    if (f.T > 0.f && f.m != NEG_INF && !f.races_all()) {
+        if (f.top_k == 0 && f.top_p < 1.f) {
+            float sum = 0.f;
+#pragma unroll
+            for (int j = 0; j < 16; j++) sum += f.prob(v[j]);
+            s.sumexp = warp_sum(sum);
+        }
+        auto count = [&](float t) {
+            int n = 0;
+#pragma unroll
+            for (int j = 0; j < 16; j++) n += v[j] >= t;
+            return (int)__reduce_add_sync(FULL_MASK, n);
+        };
+        unsigned least = ~0u;  // the cut: bisect until 8-16 logits are >= lo, from the least finite one
+#pragma unroll
+        for (int j = 0; j < 16; j++) if (v[j] != NEG_INF) least = min(least, order_key(v[j]));
+        float lo = key_float(__reduce_min_sync(FULL_MASK, least)), hi = key_float(order_key(f.m) + 1);
+        int n_lo = count(lo);
+        for (int i = 0; i < 24 && n_lo > SAMPLE_CAP && order_key(hi) - order_key(lo) > 1; i++) {
+            const float t = 0.5f * lo + 0.5f * hi;
+            const int n = count(t);
+            if (n >= SAMPLE_MIN) { lo = t; n_lo = n; } else { hi = t; }
+        }
+        const float cut = n_lo <= SAMPLE_CAP ? lo : hi;  // hi: fewer than SAMPLE_MIN (ties), never more than the cap
+        unsigned mine = 0, kept_back = 0;  // this lane's candidates, a bit each; the order key of its largest other
+#pragma unroll
+        for (int j = 0; j < 16; j++) {
+            if (v[j] >= cut) mine |= 1u << j;
+            else kept_back = max(kept_back, order_key(v[j]));
+        }
+        s.bound = key_float(max(__reduce_max_sync(FULL_MASK, kept_back), order_key(NEG_INF)));
+        int place = __popc(mine);  // this lane's first slot: the lanes below's candidates (an exclusive scan)
+        for (int off = 1; off < 32; off <<= 1) {
+            const int below = __shfl_up_sync(FULL_MASK, place, off);
+            if (lane >= off) place += below;
+        }
+        place -= __popc(mine);
+        unsigned long long* out = candidates + ((long)r * W + w) * SAMPLE_CAP;
+        if (lane >= __reduce_add_sync(FULL_MASK, __popc(mine)) && lane < SAMPLE_CAP) out[lane] = 0ull;  // empty slots
+        for (; mine; mine &= mine - 1) {  // read again (L1) rather than v[] at an index known only at run time
+            const int i = first + 32 * (__ffs(mine) - 1);
+            out[place++] = ranked(in[i], i);
+        }
+    }
+    if (lane == 0) summary[(long)r * W + w] = s;
 }
 
-// The pick: a block a row. Two blocks an SM are all a batch of 256 rows needs: the bound lets ptxas give the pick the
-// registers it wants (with 256 threads alone it held it to 64, and the pick lost time to that).
-extern "C" __global__ void __launch_bounds__(256, 2) sample_pick(
-    const float* logits, const float* segment_max, int V, int W, const float* temperature, const int* top_k,
-    const float* top_p, const float* min_p, const unsigned long long* seed, const int* step,
-    const WarpSummary* summary, const unsigned long long* candidates, int* tokens) {
-    __shared__ __align__(16) unsigned long long smem[2 * SAMPLE_HEAD];  // the head's keys and masses, or radix bins
+// The pick: warp w's summary by thread w (W <= SAMPLE_THREADS), read with this thread's candidates at once (one trip
+// to L2), then the head and the race. Top-k off: the race over every token stands if its winner is kept (top-p: the
+// mass above it is below the target, which holds with probability >= top_p; min-p: its p) - the same token as the
+// definition's, with no threshold to find.
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_pick(
+    const float* logits, int V, int W, const float* temperature, const int* top_k, const float* top_p,
+    const float* min_p, const unsigned long long* seed, const int* token_index, const WarpSummary* summary,
+    const unsigned long long* candidates, int* tokens) {
+    constexpr int LOADS = 128 * SAMPLE_CAP / SAMPLE_THREADS;  // candidates a thread (W <= 128)
+    extern __shared__ __align__(16) unsigned char sample_smem[];
+    unsigned long long* head = reinterpret_cast<unsigned long long*>(sample_smem);  // (SAMPLE_HEAD,)
+    float* row = reinterpret_cast<float*>(head + SAMPLE_HEAD);                       // the exact way's row
+    __shared__ float maxima[SAMPLE_THREADS];
+    __shared__ int filled;
     wait_for_inputs();
-    const int row = blockIdx.x;
-    const Filters f = row_filters(row, V, temperature, top_k, top_p, min_p, seed, step);
-    const float* x = logits + (long)row * V;
-    const int token = picks_from_maxima(segment_max, f.T, f.top_k)
-        ? pick_from_maxima(x, V, f, segment_max + (long)row * ((V + LOGIT_SEGMENT - 1) / LOGIT_SEGMENT), smem)
-        : pick_token(x, V, W, f, summary + (long)row * W, candidates + (long)row * W * SAMPLE_CAP, smem);
-    if (threadIdx.x == 0) tokens[row] = token < V ? token : 0;  // V: every logit -inf, and argmax's first index is 0
+    const int r = blockIdx.x, tid = threadIdx.x;
+    const bool has = tid < W;
+    const WarpSummary mine = has ? summary[(long)r * W + tid] : WarpSummary{0ull, 0ull, 0.f, NEG_INF};
+    unsigned long long cand[LOADS];
+#pragma unroll
+    for (int j = 0; j < LOADS; j++) {
+        const int i = tid + j * SAMPLE_THREADS;
+        cand[j] = i < W * SAMPLE_CAP ? __ldcg(&candidates[(long)r * W * SAMPLE_CAP + i]) : 0ull;
+    }
+    Filters f = row_filters(r, V, temperature, top_k, top_p, min_p, seed, token_index);
+    const unsigned long long top = block_max(mine.top);
+    f.m = key_float((unsigned)(top >> 32));
+    if (f.T == 0.f || f.m == NEG_INF) {  // greedy; or every logit -inf (all banned): token 0, argmax's first index
+        if (tid == 0) tokens[r] = f.m == NEG_INF ? 0 : ~(unsigned)top;
+        return;
+    }
+    const unsigned long long raced = f.top_k == 0 ? block_max(mine.race) : 0ull;  // the race's winner
+    const float won = raced ? logits[(long)r * V + ~(unsigned)raced] : NEG_INF;  // its logit
+    const float bound = block_reduce(mine.bound, [](float a, float b) { return fmaxf(a, b); });
+    float floor = NEG_INF;  // top-k: the k-th largest warp maximum, the least that fewer than k exceed
+    const float m_w = key_float((unsigned)(mine.top >> 32));
+    if (0 < f.top_k && f.top_k <= W) {
+        maxima[tid] = m_w;
+        __syncthreads();
+        int larger = 0;
+        for (int j = 0; j < W; j++) larger += maxima[j] > m_w;
+        floor = block_reduce(has && larger < f.top_k ? m_w : __int_as_float(0x7f800000),
+                             [](float a, float b) { return fminf(a, b); });
+    }
+    // the row's mass, for top-p alone: the warps' sums, scaled to the row's max
+    const double mass = f.top_k == 0 && f.top_p < 1.f ? block_sum(has ? mine.sumexp * (double)f.prob(m_w) : 0.) : 0.;
+    const unsigned long long total = (unsigned long long)(mass * 2147483648.0), target = top_p_target(f, total);
+    if (tid == 0) filled = 0;
+    __syncthreads();
+    unsigned long long in_head = 0, above_won = 0;  // the head's mass, and its mass above the race's winner
+#pragma unroll
+    for (int j = 0; j < LOADS; j++) {
+        const float x = key_float((unsigned)(cand[j] >> 32));
+        if (cand[j] && x > bound && x >= floor) {
+            head[atomicAdd(&filled, 1)] = cand[j];
+            in_head += fixed_p(f.prob(x));
+            above_won += x > won ? fixed_p(f.prob(x)) : 0ull;
+        }
+    }
+    int token = -1;
+    if (f.top_k == 0 && (f.top_p >= 1.f || (won >= bound && block_sum(above_won) < target)) &&
+        (f.min_p <= 0.f || f.prob(won) >= f.min_p)) {
+        token = ~(unsigned)raced;  // the race's winner is kept: it stands
+    } else {
+        if (f.top_k > 0) __syncthreads();  // filled
+        else in_head = block_sum(in_head);  // (its barriers: filled)
+        const int n = filled;
+        const bool holds = f.top_k > 0 ? n >= f.top_k : f.top_p < 1.f ? in_head >= target : f.prob(bound) < f.min_p;
+        token = holds ? race_head(head, n, f, f.top_k, total) : sample_exact(logits + (long)r * V, V, f, row, head);
+    }
+    if (tid == 0) tokens[r] = token;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1584,12 +1375,15 @@ extern "C" __global__ void take_rows(const int* src, const int* rows, int* out, 
     if (i < n) out[i] = src[rows[i]];
 }
 
-// nvcc (CI) compiles every instantiation NVRTC gets through name_expressions, so ptxas sees them all
+// The templates' instantiations, one list: NVRTC gets them as name expressions (cuda_backend reads them here), and
+// nvcc (CI) compiles each, so ptxas sees them all
 #ifndef __CUDACC_RTC__
 #define INSTANTIATE(...) template __global__ decltype(__VA_ARGS__) __VA_ARGS__;
-INSTANTIATE(matmul_tc<128, 128, 3>) INSTANTIATE(matmul_tc<128, 144, 3>) INSTANTIATE(matmul_tc<128, 128, 4>)
-INSTANTIATE(matmul_tc<64, 128, 3>) INSTANTIATE(matmul_tc<64, 128, 8>) INSTANTIATE(matmul_tc<64, 32, 8>)
+#else
+#define INSTANTIATE(...)
+#endif
+INSTANTIATE(matmul_tc<128,128,3>) INSTANTIATE(matmul_tc<128,144,3>) INSTANTIATE(matmul_tc<128,128,4>)
+INSTANTIATE(matmul_tc<64,128,3>) INSTANTIATE(matmul_tc<64,128,8>) INSTANTIATE(matmul_tc<64,32,8>)
 INSTANTIATE(matmul_gemv<4>) INSTANTIATE(matmul_gemv<8>)
 INSTANTIATE(embed<float>) INSTANTIATE(cache_write<float>) INSTANTIATE(layernorm<float>) INSTANTIATE(attention_decode<float>)
 INSTANTIATE(embed<half>) INSTANTIATE(cache_write<half>) INSTANTIATE(layernorm<half>) INSTANTIATE(attention_decode<half>)
-#endif

@@ -15,13 +15,13 @@ import threading
 import time
 import traceback
 from collections import Counter, deque, namedtuple
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from checkpoint import Tokenizer, load_config, load_weights, resolve_model
 from paged_kv import PagedKVCache
-from sampling_params import SamplingParams, is_int, is_number, refuse_bad
+from sampling_params import CompletionOutput, Logprob, RequestOutput, SamplingParams, check_engine_arguments
 from scheduler import Scheduler, Sequence
 
 # -----------------------------------------------------------------------------
@@ -33,10 +33,11 @@ def gelu_tanh(x):
     return 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x * x * x)))
 
 
-def sample_key(seed, step):
-    """The random key of a request's step-th token: splitmix64 of seed + (step + 1) * the golden ratio (uint64)."""
-    seed, step = np.asarray(seed, np.uint64), np.asarray(step, np.uint64)
-    z = seed + (step + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15)
+def sample_key(seed, token_index):
+    """The random key of a sequence's token_index-th output token: splitmix64 of seed + (token_index + 1) * the golden
+    ratio (uint64)."""
+    seed, token_index = np.asarray(seed, np.uint64), np.asarray(token_index, np.uint64)
+    z = seed + (token_index + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15)
     z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
     z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
     return z ^ (z >> np.uint64(31))
@@ -44,7 +45,7 @@ def sample_key(seed, step):
 
 def gumbel(key, n):
     """Gumbel noise -log(-log(u)) for tokens 0..n-1 under one key: u from 23 bits of murmur3's finalizer of (token,
-    key), so a token's noise depends on nothing but its seed, step and id (float32, as the kernel computes it)."""
+    key), so a token's noise depends on nothing but its seed, token index and id (float32, as the kernel computes it)."""
     key = int(key)
     h = np.arange(n, dtype=np.uint32) * np.uint32(0x9E3779B1) + np.uint32(key & 0xFFFFFFFF)
     h ^= np.uint32(key >> 32)
@@ -72,16 +73,22 @@ def sampling_probs(logits, temperature, top_k, top_p, min_p=0.0):
     return p
 
 
+def race_scores(logits, temperature, top_k, top_p, key, min_p=0.0):
+    """Each token's score in the exponential race (Gumbel-max): logit / temperature + gumbel(key) where the filters
+    keep it, -inf elsewhere (float32, as on the GPU)."""
+    kept = sampling_probs(logits.astype(np.float64), temperature, top_k, top_p, min_p) > 0
+    score = logits.astype(np.float32) * (np.float32(1) / np.float32(temperature)) + gumbel(key, len(logits))
+    return np.where(kept, score, -np.inf)
+
+
 def sample_row(logits, temperature, top_k, top_p, key, min_p=0.0):
-    """One token from one row of fp32 logits: greedy's argmax, or the exponential race (Gumbel-max): the kept token
-    with the largest logit / temperature + gumbel(key). That draws token i with probability p_i / sum(p), and, like
-    greedy, a last-bit change in a logit can change the token only where two scores are within rounding (a pick by
-    running sum, u * total, moves across a whole token on a flat row when the sum's last bits move)."""
+    """One token from one row of fp32 logits: greedy's argmax, or the race's winner: the kept token with the largest
+    score. That draws token i with probability p_i / sum(p), and, like greedy, a last-bit change in a logit can change
+    the token only where two scores are within rounding (a pick by running sum, u * total, moves across a whole token
+    on a flat row when the sum's last bits move)."""
     if temperature == 0:
         return int(np.argmax(logits))
-    kept = sampling_probs(logits.astype(np.float64), temperature, top_k, top_p, min_p) > 0
-    score = logits * (np.float32(1) / np.float32(temperature)) + gumbel(key, len(logits))  # float32, as on the GPU
-    return int(np.argmax(np.where(kept, score, -np.inf)))
+    return int(np.argmax(race_scores(logits, temperature, top_k, top_p, key, min_p)))
 
 
 class NumpyBackend:
@@ -170,8 +177,8 @@ class NumpyBackend:
         logits[e.rows, e.ids] = np.where(e.banned, -np.inf, x)
         return logits
 
-    def sample(self, logits, temperature, top_k, top_p, seed, step, min_p):
-        keys, logits = sample_key(seed, step), logits.astype(np.float32)
+    def sample(self, logits, temperature, top_k, top_p, seed, token_index, min_p):
+        keys, logits = sample_key(seed, token_index), logits.astype(np.float32)
         return np.array([sample_row(logits[r], temperature[r], top_k[r], top_p[r], keys[r], min_p[r])
                          for r in range(len(logits))], dtype=np.int64)
 
@@ -182,9 +189,15 @@ def make_backend(device, dtype):
         raise ValueError(f"device={device!r}: use 'auto', 'cpu' or 'cuda'")
     if device != "cpu":
         import cuda_backend
-        backend = cuda_backend.open_gpu(dtype, required=device == "cuda")  # None: no usable GPU, numpy stands in
-        if backend is not None:
+        why = cuda_backend.find_gpu()  # None: a Hopper GPU is there
+        if why is None:
+            backend = cuda_backend.CudaBackend(np.dtype(dtype or np.float16))
+            log(backend.loaded)
             return backend
+        if device == "cuda":
+            raise RuntimeError(f"device='cuda' needs CuPy and an NVIDIA Hopper GPU ({why}): "
+                               "pip install cupy-cuda13x on an H100 or H200, or use device='cpu'")
+        log(f"no usable GPU ({why}); running on the CPU with numpy")
     if dtype is not None and np.dtype(dtype) != np.float32:
         raise ValueError(f"dtype={np.dtype(dtype).name} on the CPU: numpy has no fast fp16 matmul; use float32")
     return NumpyBackend(np.float32)
@@ -238,41 +251,10 @@ class GPT:
         return be.matmul(rows, self.lm_head, ln=(w["ln_f.weight"], w["ln_f.bias"], c.eps), out_dtype=np.float32)
 
 # -----------------------------------------------------------------------------
-# outputs, with the names vLLM users know (and SamplingParams: sampling_params.py)
-
-
-@dataclass
-class Logprob:  # vLLM's: a token's log-probability under the model, its rank there (1: the most likely), its text
-    logprob: float
-    rank: int = None
-    decoded_token: str = None
-
-
-@dataclass
-class CompletionOutput:  # one sample of a request, as vLLM's
-    index: int
-    text: str = ""
-    token_ids: list = field(default_factory=list)
-    cumulative_logprob: float = None  # with logprobs: the sum over the sampled tokens
-    logprobs: list = None  # with logprobs=k: per token, {token id: Logprob} for the sampled one and the k most likely
-    finish_reason: str = None  # 'stop' (EOS, stop string or token), 'length' (max_tokens, context), 'abort', 'error'
-    stop_reason: object = None  # the stop string or stop token id that ended it (None for EOS and length)
-
-
-@dataclass
-class RequestOutput:  # as vLLM's, and `error`: why a request failed or was refused
-    request_id: int
-    prompt: str
-    prompt_token_ids: list
-    outputs: list  # a CompletionOutput per sample (SamplingParams.n)
-    finished: bool = True
-    error: str = None
-
-# -----------------------------------------------------------------------------
 # the engine: schedule -> batch -> run -> postprocess
 
-# the sampler's parameters, one per row that samples; step is the index of the token being sampled
-SamplingArrays = namedtuple("SamplingArrays", "temperature top_k top_p seed step min_p")
+# the sampler's parameters, one per row that samples; token_index: how many tokens the sequence has sampled before
+SamplingArrays = namedtuple("SamplingArrays", "temperature top_k top_p seed token_index min_p")
 
 
 def sampling_arrays(seqs):
@@ -306,16 +288,52 @@ def penalties(seqs):
                      per_row("presence_penalty"), per_row("frequency_penalty"))
 
 
-class EagerRunner:
-    """Runs a step as it reads: op by op, then the sampler (cuda_backend.GraphRunner hands it all but decodes)."""
-    def __init__(self, model, kv):
-        self.model, self.kv = model, kv
+def make_batch(scheduled, kv):
+    """Flatten this step's work, [(sequence, tokens to compute now)], into one Batch, and list the sequences whose last
+    token it holds (they sample): Python loops over sequences, numpy over tokens."""
+    seqs = [seq for seq, _ in scheduled]
+    counts = np.array([n for _, n in scheduled], np.int32)
+    starts = np.array([seq.num_computed for seq in seqs], np.int32)
+    cu_seqlens_q = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)  # (S+1,)
+    row = np.repeat(np.arange(len(seqs)), counts)  # (T,) the sequence of each token
+    positions = (np.arange(cu_seqlens_q[-1]) - cu_seqlens_q[row] + starts[row]).astype(np.int32)  # (T,)
+    block_tables = kv.block_table_array([seq.seq_id for seq in seqs])  # (S, max_blocks)
+    samples = starts + counts == np.array([len(seq.token_ids) for seq in seqs])  # reached their last token
+    input_ids = np.fromiter(itertools.chain.from_iterable(
+        seq.token_ids[a:a + n] for seq, a, n in zip(seqs, starts.tolist(), counts.tolist())), np.int32, len(row))
+    return Batch(input_ids, positions, kv.slot_mapping(block_tables, row, positions), cu_seqlens_q, starts + counts,
+                 block_tables, (cu_seqlens_q[1:] - 1)[samples]), [seq for seq, s in zip(seqs, samples) if s]
 
-    def admission_group(self):
-        return 1  # waiting requests come in as soon as a seat is free
 
-    def run(self, batch, seqs):
-        """(1, R) sampled tokens of the rows that sample (seqs), and (R, V) host logits if any wants logprobs."""
+class ModelRunner:
+    """Runs a step's batch: the model's forward over it, then the sampler on the rows that sample. On CUDA, decode
+    batches replay CUDA graphs instead (cuda_backend.GraphRunner), each recording decode_step, which mirrors eager():
+    the graphs are captured here, at start-up, one per batch size, and each graph run is launched while the host still
+    reads the run before it, so the tokens of a decode step may come from a run launched a step earlier."""
+    def __init__(self, model, kv, cuda_graphs=True, num_scheduler_steps=16, max_num_seqs=256):
+        self.model, self.kv, self.graphs, self.admission_group = model, kv, None, 1
+        if cuda_graphs and model.backend.name == "cuda":
+            from cuda_backend import GraphRunner
+            t0 = time.perf_counter()
+            self.graphs = GraphRunner(self.decode_step, model.backend, kv, model.config.n_ctx, max_num_seqs,
+                                      num_scheduler_steps)
+            self.admission_group = self.graphs.admission_group  # admissions end graph runs: let requests in by groups
+            b = self.graphs.buckets
+            log(f"captured {len(b)} CUDA graphs (decode batches of {b[0]} to {b[-1]} rows) in "
+                f"{time.perf_counter() - t0:.1f} s")
+
+    def run(self, batch, seqs, launch_next=True):
+        """(steps, R) sampled tokens of the rows that sample (seqs), and (R, V) host logits if any wants logprobs.
+        launch_next: a graph run may launch the next one before its tokens are read."""
+        if self.graphs is None:
+            return self.eager(batch, seqs)
+        if self.graphs.takes(batch, seqs):
+            return self.graphs.run(seqs, sampling_arrays(seqs), launch_next), None
+        with self.graphs.eager():  # on the graphs' stream, after everything they launched
+            return self.eager(batch, seqs)
+
+    def eager(self, batch, seqs):
+        """The step as it reads: op by op, then the sampler: (1, R) tokens, and the logits for logprobs."""
         be = self.model.backend
         logits = self.model.forward(batch, self.kv)  # (R, V)
         wants_logits = any(s.logprobs is not None for s in seqs)
@@ -325,11 +343,22 @@ class EagerRunner:
             logits = be.penalize(logits, edits)
         return be.sample(logits, *sampling_arrays(seqs))[None], host_logits  # (1, R) tokens
 
-    def wait(self):
-        pass  # nothing runs ahead of the host
+    def decode_step(self, batch, sampling):
+        """What each CUDA graph records: eager()'s forward and sampler for one decode step, on the GPU alone (batch and
+        sampling, SamplingArrays' fields by name, already there); the (R,) tokens stay there."""
+        logits = self.model.forward_on_device(batch, self.kv)
+        return self.model.backend.sample_device(logits, *(sampling[f] for f in SamplingArrays._fields))
 
-    def reset(self):
-        pass  # nor is anything launched ahead to forget
+    def running_ahead(self):
+        return self.graphs is not None and self.graphs.running_ahead()
+
+    def wait(self):  # until no GPU work is left (a run launched ahead included)
+        if self.graphs is not None:
+            self.graphs.wait()
+
+    def reset(self):  # forget a run launched ahead (a failed step's)
+        if self.graphs is not None:
+            self.graphs.reset()
 
 
 class Request:
@@ -358,21 +387,11 @@ class LLM:
     runner runs the model over it and samples, and the new tokens go to their sequences.
 
     A step is all or nothing (see _step). One LLM may serve several threads and nested streams: every call that changes
-    the engine holds its lock (_exclusive), and each request's events go to the call that added it (its outbox)."""
+    the engine holds its lock (Exclusive), and each request's events go to the call that added it (its outbox)."""
     def __init__(self, model, device="auto", dtype=None, block_size=16, max_num_seqs=256,
                  max_num_batched_tokens=16384, num_kv_tokens=None, gpu_memory_utilization=0.9, seed=0,
                  cuda_graphs=True, fused=True, num_scheduler_steps=16, dependent_launches=True, batch_invariant=False):
-        refuse_bad("LLM", [(name, value, is_int(value, 1), "an integer >= 1") for name, value in (
-            ("block_size", block_size), ("max_num_seqs", max_num_seqs), ("num_scheduler_steps", num_scheduler_steps),
-            ("max_num_batched_tokens", max_num_batched_tokens))] + [
-            ("num_kv_tokens", num_kv_tokens, num_kv_tokens is None or is_int(num_kv_tokens, 1), "None or >= 1"),
-            ("gpu_memory_utilization", gpu_memory_utilization,
-             is_number(gpu_memory_utilization) and 0 < gpu_memory_utilization <= 1, "a fraction in (0, 1]"),
-            ("seed", seed, is_int(seed, 0), "an integer >= 0"),
-            ("dtype", dtype, dtype in (None, "float16", "float32", np.float16, np.float32), "float16 or float32")] + [
-            (name, value, isinstance(value, bool), "True or False") for name, value in (
-                ("cuda_graphs", cuda_graphs), ("fused", fused), ("dependent_launches", dependent_launches),
-                ("batch_invariant", batch_invariant))])
+        check_engine_arguments(locals())
         path = resolve_model(model)
         self.config = c = load_config(path)
         self.tokenizer = Tokenizer(path)
@@ -381,71 +400,28 @@ class LLM:
                              f"is {c.vocab_size}: the files do not belong together")
         self.backend = make_backend(device, dtype)
         self.backend.check_model(c)
-        # outputs bitwise the same solo, batched, chunked or preempted: every reduction row by row, in a fixed order
+        # the lessons' switches: fusion, dependent launches; and outputs bitwise the same solo, batched, chunked or
+        # preempted (every reduction row by row, in a fixed order)
+        self.backend.fused, self.backend.dependent_launches = fused, dependent_launches
         self.backend.batch_invariant = batch_invariant
-        # the lessons' switches: fusion, launch overhead (CUDA graphs), multi-step decoding, dependent launches
-        self.backend.fuse, self.backend.pdl = fused, dependent_launches
         t0 = time.perf_counter()
         weights = load_weights(path, c)
         log(f"weights: {sum(w.size for w in weights.values()) / 1e6:,.0f}M parameters ({c.n_layer} layers, "
             f"{c.n_embd} wide) from {path} in {time.perf_counter() - t0:.1f} s")
         self.model = GPT(c, weights, self.backend, self.tokenizer.n_vocab)
-        num_blocks = self._kv_pool_blocks(num_kv_tokens, gpu_memory_utilization, max_num_seqs, block_size)
-        self.kv = PagedKVCache(self.backend, c.n_layer, c.n_head, c.head_dim, num_blocks, block_size)
-        self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens)
-        if cuda_graphs and self.backend.name == "cuda":
-            from cuda_backend import GraphRunner
-            self.runner = GraphRunner(self.model, self.kv, self.scheduler, num_scheduler_steps)
-        else:
-            self.runner = EagerRunner(self.model, self.kv)
+        blocks = PagedKVCache.pool_blocks(c, self.backend, num_kv_tokens, gpu_memory_utilization, max_num_seqs,
+                                          block_size)
+        self.kv = PagedKVCache(self.backend, c.n_layer, c.n_head, c.head_dim, blocks, block_size)
+        log(f"KV cache: {blocks * block_size:,} tokens ({self.kv.nbytes / 2 ** 30:.2f} GiB), {blocks} blocks of "
+            f"{block_size}; max_num_seqs={max_num_seqs} x n_ctx={c.n_ctx} is the most it can use")
+        self.runner = ModelRunner(self.model, self.kv, cuda_graphs, num_scheduler_steps, max_num_seqs)
+        self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens, self.runner.admission_group)
         self._rng = np.random.default_rng(seed)  # seeds for requests that bring none
         self._next_id = 0
         self._requests = {}  # request id -> Request, until its last event
         self._step_outbox = []  # the outbox of requests from add_request: step() returns its events
-        self._lock, self._depth = threading.RLock(), 0
+        self._exclusive = Exclusive()
         self._stepping, self._aborts_after_step = False, []
-
-    def _kv_pool_blocks(self, num_kv_tokens, fraction, max_num_seqs, block_size):
-        """num_kv_tokens, or what fits (the backend's budget: on a GPU, its memory fraction the weights leave), but never
-        more than the engine can use: max_num_seqs full contexts are the most alive at once."""
-        c = self.config
-        per_token = PagedKVCache.bytes_per_token(c.n_layer, c.n_head, c.head_dim, self.backend.dtype.itemsize)
-        if num_kv_tokens is None:
-            budget = self.backend.kv_cache_budget(fraction)
-            if budget < per_token * c.n_ctx:
-                raise RuntimeError(f"the KV cache would hold only {int(max(budget, 0) // per_token)} tokens, less than "
-                                   f"one full context ({c.n_ctx}): raise gpu_memory_utilization, free GPU memory "
-                                   "(other processes hold some), or pass num_kv_tokens")
-            num_kv_tokens = int(budget // per_token)
-        blocks = min(-(-num_kv_tokens // block_size), max_num_seqs * -(-c.n_ctx // block_size))
-        log(f"KV cache: {blocks * block_size:,} tokens ({blocks * block_size * per_token / 2 ** 30:.2f} GiB), "
-            f"{blocks} blocks of {block_size}; max_num_seqs={max_num_seqs} x n_ctx={c.n_ctx} is the most it can use")
-        return blocks
-
-    @contextlib.contextmanager
-    def _exclusive(self):
-        """Hold the engine: one thread at a time. In the main thread, a Ctrl-C meanwhile waits until the engine is
-        consistent again and is raised on leaving (a second Ctrl-C breaks in at once; the step is then undone)."""
-        with self._lock:
-            defer = self._depth == 0 and threading.current_thread() is threading.main_thread() and \
-                signal.getsignal(signal.SIGINT) is signal.default_int_handler
-            interrupted = []
-
-            def hold(signum, frame):
-                if interrupted:
-                    raise KeyboardInterrupt
-                interrupted.append(signum)
-            if defer:
-                signal.signal(signal.SIGINT, hold)
-            self._depth += 1
-            try:
-                yield
-            finally:
-                self._depth -= 1
-                if defer:
-                    signal.signal(signal.SIGINT, signal.default_int_handler)
-            if interrupted:
-                raise KeyboardInterrupt
 
     def add_request(self, prompt, params=None, outbox=None):
         """Queue a request; its events go to outbox.append (None: step() returns them). A bad one raises ValueError
@@ -456,20 +432,10 @@ class LLM:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling parameters are a SamplingParams or None, not {type(params).__name__}")
-        c, n_vocab = self.config, self.tokenizer.n_vocab
-        if isinstance(prompt, dict) and len(prompt) == 1 and ("prompt" in prompt or "prompt_token_ids" in prompt):
-            prompt = prompt.get("prompt", prompt.get("prompt_token_ids"))  # vLLM's TextPrompt and TokensPrompt
-        if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (list, tuple, np.ndarray)) and \
-                all(isinstance(t, (int, np.integer)) and 0 <= t < n_vocab for t in prompt):
-            ids = [int(t) for t in prompt]
-        else:
-            raise ValueError(f"a prompt is a string, a list of token ids in [0, {n_vocab}), or a dict of one: "
-                             "{'prompt': string} or {'prompt_token_ids': list}")
-        if any(t >= n_vocab for t in params.stop_token_ids):
-            raise ValueError(f"SamplingParams.stop_token_ids={params.stop_token_ids}: token ids are < {n_vocab}")
-        ids = ids or [self.tokenizer.eot_token]  # an empty prompt generates unconditionally
+        c, ids = self.config, self.tokenizer.prompt_ids(prompt)
+        if any(t >= self.tokenizer.n_vocab for t in params.stop_token_ids):
+            raise ValueError(f"SamplingParams.stop_token_ids={params.stop_token_ids}: token ids are < "
+                             f"{self.tokenizer.n_vocab}")
         if len(ids) >= c.n_ctx:
             raise ValueError(f"the prompt is {len(ids)} tokens, and this model's context is {c.n_ctx} tokens with at "
                              f"least one to generate: shorten the prompt to at most {c.n_ctx - 1} tokens")
@@ -523,15 +489,18 @@ class LLM:
         saved = {}  # sequence -> its state before this step
         self._stepping = True
         try:
-            scheduled = self.scheduler.schedule(self.runner.admission_group())  # [(sequence, tokens to compute now)]
+            # no request comes in while the GPU runs decode steps launched ahead: it would end them unread
+            scheduled = self.scheduler.schedule(admit=not self.runner.running_ahead())
             saved.update((seq, seq.checkpoint()) for seq, _ in scheduled)
             events = []
             if scheduled:
-                batch, sampling = self._make_batch(scheduled)  # one flat batch; the sequences whose last token it holds
-                tokens, logits = self.runner.run(batch, sampling)  # (steps, R) new tokens; (R, V) logits for logprobs
+                batch, seqs = make_batch(scheduled, self.kv)  # one flat batch; the sequences whose last token it holds
+                # (steps, R) new tokens; (R, V) logits for logprobs. A graph run launches the next one before its
+                # tokens are read, unless a request waits to come in (the next step admits it, eagerly)
+                tokens, logits = self.runner.run(batch, seqs, launch_next=not self.scheduler.wants_admission())
                 for seq, n in scheduled:
                     seq.num_computed += n  # their K/V are in the cache now
-                events = self._postprocess(sampling, tokens, logits)
+                events = self._postprocess(seqs, tokens, logits)
         except BaseException as e:
             self._undo(saved)
             if not isinstance(e, Exception) or not saved:  # an interrupt, or an error no request can be blamed for
@@ -567,29 +536,6 @@ class LLM:
                 req.unforked = []
         return self._events(failed)
 
-    def _deliver(self, events):
-        for event in events:
-            request_id, _, _, out = event
-            self._requests[request_id].outbox.append(event)
-            if out is not None:
-                del self._requests[request_id]  # its last event
-
-    def _make_batch(self, scheduled):
-        """Flatten this step's work into one batch: Python loops over sequences, numpy over tokens."""
-        seqs = [seq for seq, _ in scheduled]
-        counts = np.array([n for _, n in scheduled], np.int32)
-        starts = np.array([seq.num_computed for seq in seqs], np.int32)
-        cu_seqlens_q = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)  # (S+1,)
-        row = np.repeat(np.arange(len(seqs)), counts)  # (T,) the sequence of each token
-        positions = (np.arange(cu_seqlens_q[-1]) - cu_seqlens_q[row] + starts[row]).astype(np.int32)  # (T,)
-        block_tables = self.kv.block_table_array([seq.seq_id for seq in seqs])  # (S, max_blocks)
-        samples = starts + counts == np.array([len(seq.token_ids) for seq in seqs])  # reached their last token
-        input_ids = np.fromiter(itertools.chain.from_iterable(
-            seq.token_ids[a:a + n] for seq, a, n in zip(seqs, starts.tolist(), counts.tolist())), np.int32, len(row))
-        return Batch(input_ids, positions, self.kv.slot_mapping(block_tables, row, positions), cu_seqlens_q,
-                     starts + counts, block_tables, (cu_seqlens_q[1:] - 1)[samples]), \
-            [seq for seq, s in zip(seqs, samples) if s]
-
     def _postprocess(self, seqs, tokens, logits):
         """Hand each sequence its tokens until one finishes it (the rest dropped, blocks freed): an event each."""
         for row, seq in enumerate(seqs):
@@ -598,7 +544,7 @@ class LLM:
                 if i > 0:
                     seq.num_computed += 1  # a later step of a run computed the token sampled before
                 if logits is not None and seq.logprobs is not None:
-                    seq.logprobs.append(self._logprobs(logits[row], int(token), seq.params.logprobs))
+                    seq.logprobs.append(logprobs_of(logits[row], int(token), seq.params.logprobs, self.tokenizer))
                 seq.append(int(token), self.config.n_ctx)
                 if seq.finish_reason:
                     self.scheduler.remove(seq)
@@ -628,15 +574,13 @@ class LLM:
                 event[3] = self._requests[rid].output()
         return [tuple(event) for event in events]
 
-    def _logprobs(self, logits_row, token, k):
-        """{token id: Logprob} for the sampled token and the k most likely, under the model's own distribution
-        (before penalties, temperature, top-k and top-p), ranks counted from 1."""
-        logp = logits_row.astype(np.float64) - logits_row.max()
-        logp -= np.log(np.exp(logp).sum())
-        order = np.argsort(-logp, kind="stable")
-        ranks = {int(t): r + 1 for r, t in enumerate(order[:k])}
-        ranks.setdefault(token, int((logp > logp[token]).sum()) + 1)
-        return {t: Logprob(float(logp[t]), r, self.tokenizer.decode([t])) for t, r in ranks.items()}
+    def _deliver(self, events):
+        """Each event to the outbox of the call that added its request; a request's last event lets it go."""
+        for event in events:
+            request_id, _, _, out = event
+            self._requests[request_id].outbox.append(event)
+            if out is not None:
+                del self._requests[request_id]
 
     def stream(self, prompts, sampling_params=None):
         """Yield (prompt index, sample index, new text, RequestOutput once the request finished else None); a refused
@@ -680,6 +624,51 @@ class LLM:
                     bar.set_postfix_str(f"output {tokens / (time.perf_counter() - t0):,.0f} tok/s", refresh=False)
                     bar.update()
         return [outputs[i] for i in range(len(outputs))]
+
+# -----------------------------------------------------------------------------
+# the engine's small pieces, which a first reading can skip
+
+
+class Exclusive:
+    """`with exclusive():` holds the engine for one thread at a time (re-entrant: a stream inside a stream). In the main
+    thread, a Ctrl-C meanwhile waits until the engine is consistent again and is raised on leaving (a second Ctrl-C
+    breaks in at once; the step is then undone)."""
+    def __init__(self):
+        self._lock, self._depth = threading.RLock(), 0
+
+    @contextlib.contextmanager
+    def __call__(self):
+        with self._lock:
+            defer = self._depth == 0 and threading.current_thread() is threading.main_thread() and \
+                signal.getsignal(signal.SIGINT) is signal.default_int_handler
+            interrupted = []
+
+            def hold(signum, frame):
+                if interrupted:
+                    raise KeyboardInterrupt
+                interrupted.append(signum)
+            if defer:
+                signal.signal(signal.SIGINT, hold)
+            self._depth += 1
+            try:
+                yield
+            finally:
+                self._depth -= 1
+                if defer:
+                    signal.signal(signal.SIGINT, signal.default_int_handler)
+            if interrupted:
+                raise KeyboardInterrupt
+
+
+def logprobs_of(logits_row, token, k, tokenizer):
+    """{token id: Logprob} for the sampled token and the k most likely, under the model's own distribution (before
+    penalties, temperature, top-k and top-p), ranks counted from 1."""
+    logp = logits_row.astype(np.float64) - logits_row.max()
+    logp -= np.log(np.exp(logp).sum())
+    order = np.argsort(-logp, kind="stable")
+    ranks = {int(t): r + 1 for r, t in enumerate(order[:k])}
+    ranks.setdefault(token, int((logp > logp[token]).sum()) + 1)
+    return {t: Logprob(float(logp[t]), r, tokenizer.decode([t])) for t, r in ranks.items()}
 
 
 def sample_seed(seed, index):

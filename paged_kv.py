@@ -46,18 +46,42 @@ class PagedKVCache:
         self.k = [backend.zeros(shape) for _ in range(n_layer)]
         self.v = [backend.zeros(shape) for _ in range(n_layer)]
         self.block_tables = {}  # seq_id -> list of block ids
+        self.nbytes = sum(a.nbytes for a in self.k + self.v)
 
     @staticmethod
     def bytes_per_token(n_layer, n_head, head_dim, itemsize):
         return 2 * n_layer * n_head * head_dim * itemsize  # K and V, every layer
 
+    @staticmethod
+    def pool_blocks(config, backend, num_kv_tokens, fraction, max_num_seqs, block_size):
+        """num_kv_tokens, or what fits (the backend's budget: on a GPU, its memory fraction the weights leave), but never
+        more than the engine can use: max_num_seqs full contexts are the most alive at once."""
+        c = config
+        per_token = PagedKVCache.bytes_per_token(c.n_layer, c.n_head, c.head_dim, backend.dtype.itemsize)
+        if num_kv_tokens is None:
+            budget = backend.kv_cache_budget(fraction)
+            if budget < per_token * c.n_ctx:
+                raise RuntimeError(f"the KV cache would hold only {int(max(budget, 0) // per_token)} tokens, less than "
+                                   f"one full context ({c.n_ctx}): raise gpu_memory_utilization, free GPU memory "
+                                   "(other processes hold some), or pass num_kv_tokens")
+            num_kv_tokens = int(budget // per_token)
+        blocks = min(-(-num_kv_tokens // block_size), max_num_seqs * -(-c.n_ctx // block_size))
+        return blocks
+
     def blocks_needed(self, num_tokens):
         return -(-num_tokens // self.block_size)
 
+    def num_free_blocks(self):
+        return self.allocator.num_free()
+
     def can_fit(self, seq_id, num_tokens):
         """Can seq_id hold num_tokens tokens, taking blocks only from the free list?"""
-        have = len(self.block_tables.get(seq_id, ()))
-        return self.blocks_needed(num_tokens) - have <= self.allocator.num_free()
+        return self.can_fit_all([(seq_id, num_tokens)])
+
+    def can_fit_all(self, wants):
+        """Can each (seq_id, num_tokens) of wants hold that many tokens at once, taking blocks from the free list?"""
+        new = sum(max(0, self.blocks_needed(n) - len(self.block_tables.get(s, ()))) for s, n in wants)
+        return new <= self.allocator.num_free()
 
     def grow(self, seq_id, num_tokens):
         """Give seq_id enough blocks for num_tokens tokens (the caller checked can_fit)."""

@@ -1,7 +1,8 @@
-"""SamplingParams: what a request asks of the sampler and when it stops, with vLLM's names, defaults and meanings.
-Every field is checked when it is made: a bad one raises ValueError naming the field and what it must be."""
+"""What a request asks for and what it gets back, with vLLM's names, defaults and meanings: SamplingParams (the
+sampler and when to stop), RequestOutput, CompletionOutput and Logprob. Every SamplingParams field, and every LLM
+argument, is checked when it is given: a bad one raises ValueError naming the field and what it must be."""
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -56,6 +57,48 @@ class SamplingParams:
              is_number(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2, "a number in [-2, 2]"),
             ("logprobs", self.logprobs, self.logprobs is None or is_int(self.logprobs, 0, 20),
              "None or an integer in [0, 20]")))
+
+
+@dataclass
+class Logprob:  # vLLM's: a token's log-probability under the model, its rank there (1: the most likely), its text
+    logprob: float
+    rank: int = None
+    decoded_token: str = None
+
+
+@dataclass
+class CompletionOutput:  # one sample of a request, as vLLM's
+    index: int
+    text: str = ""
+    token_ids: list = field(default_factory=list)
+    cumulative_logprob: float = None  # with logprobs: the sum over the sampled tokens
+    logprobs: list = None  # with logprobs=k: per token, {token id: Logprob} for the sampled one and the k most likely
+    finish_reason: str = None  # 'stop' (EOS, stop string or token), 'length' (max_tokens, context), 'abort', 'error'
+    stop_reason: object = None  # the stop string or stop token id that ended it (None for EOS and length)
+
+
+@dataclass
+class RequestOutput:  # as vLLM's, and `error`: why a request failed or was refused
+    request_id: int
+    prompt: str
+    prompt_token_ids: list
+    outputs: list  # a CompletionOutput per sample (SamplingParams.n)
+    finished: bool = True
+    error: str = None
+
+
+def check_engine_arguments(args):
+    """ValueError naming the first of LLM's arguments (its locals()) that is out of range."""
+    refuse_bad("LLM", [(name, args[name], is_int(args[name], 1), "an integer >= 1") for name in (
+        "block_size", "max_num_seqs", "num_scheduler_steps", "max_num_batched_tokens")] + [
+        ("num_kv_tokens", args["num_kv_tokens"], args["num_kv_tokens"] is None or is_int(args["num_kv_tokens"], 1),
+         "None or >= 1"),
+        ("gpu_memory_utilization", args["gpu_memory_utilization"], is_number(args["gpu_memory_utilization"]) and
+         0 < args["gpu_memory_utilization"] <= 1, "a fraction in (0, 1]"),
+        ("seed", args["seed"], is_int(args["seed"], 0), "an integer >= 0"),
+        ("dtype", args["dtype"], args["dtype"] in (None, "float16", "float32", np.float16, np.float32),
+         "float16 or float32")] + [(name, args[name], isinstance(args[name], bool), "True or False") for name in (
+            "cuda_graphs", "fused", "dependent_launches", "batch_invariant")])
 
 
 def is_int(v, lo, hi=math.inf):

@@ -7,8 +7,9 @@ mixing decodes (one token each) and chunks of prompts (prefill), so every GEMM s
 Each step, under a token budget (max_num_batched_tokens) and a sequence cap (max_num_seqs):
   1. running sequences that decode get their one token first, oldest first, so a long prompt never stalls them;
   2. running sequences still in their prompt get a chunk of it (chunked prefill);
-  3. waiting requests come in, in arrival order, while their first chunk fits, once `group` seats are free (or as many
-     as wait; None: none): the runner sets it (cuda_backend admits by groups: each ends a run of graph steps).
+  3. waiting requests come in, in arrival order, while their first chunk fits, once `admission_group` seats are free (or
+     as many as wait): 1 lets each in as soon as a seat frees; an engine whose admissions are dear (each ends a run
+     of CUDA-graph steps) lets them in by groups.
 When the KV pool has no block for a running sequence, the newest running one is preempted: its blocks are freed and it
 waits first in line, to be recomputed from its tokens (prompt + output so far): the same tokens as if never stopped.
 """
@@ -117,8 +118,9 @@ class Sequence:
 
 
 class Scheduler:
-    def __init__(self, kv, max_num_seqs, max_num_batched_tokens):
+    def __init__(self, kv, max_num_seqs, max_num_batched_tokens, admission_group=1):
         self.kv, self.max_num_seqs, self.max_num_batched_tokens = kv, max_num_seqs, max_num_batched_tokens
+        self.admission_group = admission_group
         self.waiting = deque()
         self.running = []  # in admission order: the last one is the newest
         self.num_preemptions = 0
@@ -129,13 +131,14 @@ class Scheduler:
     def has_unfinished(self):
         return bool(self.waiting or self.running)
 
-    def wants_admission(self, group=1):
-        """Whether waiting requests may come in now: `group` seats are free, or as many as wait (None: never)."""
+    def wants_admission(self):
+        """Whether waiting requests would come in now: admission_group seats are free, or as many as wait."""
         free = self.max_num_seqs - len(self.running)
-        return group is not None and bool(self.waiting) and free >= min(len(self.waiting), group)
+        return bool(self.waiting) and free >= min(len(self.waiting), self.admission_group)
 
-    def schedule(self, group=1):
-        """Pick this step's work: a list of (sequence, number of its tokens to compute now)."""
+    def schedule(self, admit=True):
+        """Pick this step's work: a list of (sequence, number of its tokens to compute now). admit=False: no waiting
+        request comes in this step (the engine's GPU still runs decode steps it launched ahead)."""
         budget = self.max_num_batched_tokens
         scheduled = {}
         decodes = [s for s in self.running if s.num_uncomputed == 1]
@@ -158,7 +161,7 @@ class Scheduler:
                 scheduled[seq] = n
                 budget -= n
         # admit new requests only when nothing had to make room this step, or they would thrash
-        admit = self.wants_admission(group) and not preempted
+        admit = admit and self.wants_admission() and not preempted
         while admit and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]  # its num_computed is 0, or a prompt's blocks it shares (LLM._fork)
             n = min(seq.num_uncomputed, budget)

@@ -177,7 +177,7 @@ def make_app(llm, model_name):
         kv, s = llm.kv, llm.scheduler
         with engine.lock:  # the engine thread counts under it
             finished = sorted(engine.finished.items())
-        return PlainTextResponse(f"nanoinfer_kv_blocks_free {kv.allocator.num_free()}\n"
+        return PlainTextResponse(f"nanoinfer_kv_blocks_free {kv.num_free_blocks()}\n"
                                  f"nanoinfer_kv_blocks_total {kv.num_blocks}\n"
                                  f"nanoinfer_requests_running {len(s.running)}\n"
                                  f"nanoinfer_requests_waiting {len(s.waiting)}\n" +
