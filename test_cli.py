@@ -1,0 +1,180 @@
+"""The command line and packaging: sample.py's flags and exit codes (never a traceback), vLLM's offline quickstart run
+unchanged but for its import, pip install of the checkout, and bench.py without a GPU.
+
+Each runs as a subprocess from the repo root (HERE) or from outside it, as a user would; the references are the
+documented outputs and exit statuses (0, 1 for a refused prompt or a bad model, 2 for a bad flag, 130 on Ctrl-C, 141
+on a closed pipe).
+"""
+import ast
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from conftest import BAD_CONFIGS, HERE, _corrupt, _edit_config
+
+
+def run_sample(args, patch="", timeout=120, **popen):
+    """sample.py in a subprocess (after `patch`, Python run first in it); returns the Popen."""
+    code = ("import runpy, sys, time\nimport nanoinfer\n" + patch +
+            f"\nsys.argv = ['sample.py'] + {list(args)!r}\nrunpy.run_path({str(HERE / 'sample.py')!r}, "
+            "run_name='__main__')")
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=HERE,
+                            env={**os.environ, "PYTHONPATH": str(HERE)}, **popen)
+
+
+SLOW_STEPS = """
+step = nanoinfer.LLM._step
+def slow_step(self):
+    time.sleep(0.02)
+    return step(self)
+nanoinfer.LLM._step = slow_step
+"""
+
+
+VLLM_QUICKSTART = """
+from vllm import LLM, SamplingParams
+
+prompts = [
+    "Hello, my name is",
+    "The president of the United States is",
+    "The capital of France is",
+    "The future of AI is",
+]
+sampling_params = SamplingParams(temperature=0.8, top_p=0.95)
+
+llm = LLM(model="facebook/opt-125m")
+
+outputs = llm.generate(prompts, sampling_params)
+
+for output in outputs:
+    prompt = output.prompt
+    generated_text = output.outputs[0].text
+    print(f"Prompt: {prompt!r}, Generated text: {generated_text!r}")
+"""
+
+
+def test_vllm_quickstart_runs_unchanged(tiny):
+    """vLLM's offline-inference quickstart (docs.vllm.ai, Quickstart), changed only in its import line and model
+    path, prints each prompt and a generated text; as a subprocess, from outside the checkout."""
+    code = VLLM_QUICKSTART.replace("from vllm import", "from nanoinfer import").replace(
+        '"facebook/opt-125m"', repr(str(tiny.path)))
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tiny.path,
+                       env={**os.environ, "PYTHONPATH": str(HERE)})
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    assert [line.split(", Generated text: ")[0] for line in lines] == \
+        [f"Prompt: {s!r}" for s in ("Hello, my name is", "The president of the United States is",
+                                      "The capital of France is", "The future of AI is")]
+    assert all(len(ast.literal_eval(line.split(", Generated text: ")[1])) > 0 for line in lines)
+
+
+def test_cli_flags(tiny):
+    """--help shows every default and what 0 means; --num-samples prints each text under its own header, saying why
+    it stopped; --seed repeats a run and no seed does not; a prompt comes from stdin; --stop ends at a stop string
+    and says so; --logprobs prints a line per token."""
+    run = lambda *args, stdin=None: subprocess.run(
+        [sys.executable, str(HERE / "sample.py"), "--model", str(tiny.path), "--device", "cpu", *args],
+        input=stdin, capture_output=True, text=True, timeout=120, cwd=HERE)
+    h = " ".join(run("--help").stdout.split())
+    assert all(w in h for w in ("(default: 0.8)", "(default: 100)", "0 is greedy", "0 is off", "1 is off",
+                                "--num-samples", "--prompt-file", "--stop", "--ignore-eos", "--logprobs"))
+    two = run("--prompt", "Hi", "--num-samples", "2", "--max-new-tokens", "4", "--ignore-eos", "--seed", "5")
+    assert two.returncode == 0 and "--- [prompt 1/1, sample 1/2] ---\nHi" in two.stdout
+    assert "--- [prompt 1/1, sample 2/2] ---\nHi" in two.stdout
+    assert two.stderr.count("[stopped: max tokens (4; --max-new-tokens)]") == 2
+    again = run("--prompt", "Hi", "--num-samples", "2", "--max-new-tokens", "4", "--ignore-eos", "--seed", "5")
+    fresh = [run("--prompt", "Hi", "--max-new-tokens", "8", "--ignore-eos").stdout for _ in range(2)]
+    assert again.stdout == two.stdout and fresh[0] != fresh[1]
+    assert run("--prompt-file", "-", "--max-new-tokens", "3", stdin="Hello from stdin").stdout.startswith(
+        "Hello from stdin")
+    greedy_text = run("--prompt", "Hi", "--temperature", "0", "--max-new-tokens", "12", "--ignore-eos").stdout
+    stop = greedy_text[len("Hi"):].strip()[3:6]
+    cut = run("--prompt", "Hi", "--temperature", "0", "--max-new-tokens", "12", "--ignore-eos", "--stop", stop)
+    assert f"[stopped: stop string {stop!r}]" in cut.stderr and stop not in cut.stdout[len("Hi"):]
+    lp = run("--prompt", "Hi", "--temperature", "0", "--max-new-tokens", "3", "--ignore-eos", "--logprobs", "2")
+    assert len([line for line in lp.stderr.splitlines() if line.startswith("  ")]) == 3
+
+
+def test_cli_refused_prompt_exits_1(tiny):
+    p = run_sample(["--model", str(tiny.path), "--device", "cpu", "--prompt", "Hi", "--prompt", "a " * 200,
+                    "--max-new-tokens", "5"])
+    out, err = (s.decode() for s in p.communicate(timeout=120))
+    assert p.returncode == 1 and "prompt 2 refused" in err and "context" in err and "Traceback" not in err
+    assert out.startswith("--- [1/2] ---\nHi") and "refused" not in out
+
+
+def test_cli_ctrl_c_exits_130_with_the_text_so_far(tiny):
+    p = run_sample(["--model", str(tiny.path), "--device", "cpu", "--prompt", "Hello", "--max-new-tokens", "120",
+                    "--temperature", "0"], SLOW_STEPS)
+    first = p.stdout.read1(1000).decode()  # some text is on screen: generation is under way
+    p.send_signal(signal.SIGINT)
+    out, err = (s.decode() for s in p.communicate(timeout=120))
+    assert p.returncode == 130 and "Traceback" not in err, err
+    assert (first + out).startswith("Hello") and "[interrupted]" in out
+
+
+def test_cli_ctrl_c_while_loading(tiny):
+    patch = "def slow(*a):\n    print('LOADING', file=sys.stderr, flush=True)\n    time.sleep(60)\n" \
+            "nanoinfer.load_weights = slow"
+    p = run_sample(["--model", str(tiny.path), "--device", "cpu"], patch)
+    assert p.stderr.readline().decode().strip().endswith("LOADING")
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 130 and b"Traceback" not in err, err
+
+
+def test_cli_closed_pipe(tiny):
+    """`python sample.py ... | head -c 20`: the reader leaves early; sample.py stops without a traceback."""
+    p = run_sample(["--model", str(tiny.path), "--device", "cpu", "--prompt", "Hello", "--max-new-tokens", "120"],
+                   SLOW_STEPS)
+    assert len(p.stdout.read(20)) == 20
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=120) == 141 and "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+@pytest.mark.parametrize("how", ["missing weights", "not gpt2", "truncated", "n_head 3", "a JSON list"])
+def test_cli_bad_model_or_flag_never_a_traceback(tiny, tmp_path, how):
+    if how in BAD_CONFIGS:
+        path = _edit_config(tiny, tmp_path, BAD_CONFIGS[how][0])
+    else:
+        path, _ = _corrupt(tiny, tmp_path, how)
+    p = run_sample(["--model", str(path), "--device", "cpu"])
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 1 and err.decode().startswith("error: ") and b"Traceback" not in err, err
+    p = run_sample(["--model", str(tiny.path), "--top-p", "1.5"])
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 2 and b"top_p" in err and b"Traceback" not in err, err
+    p = run_sample(["--model", str(tiny.path), "--device", "cpu", "--top-k", "2147483648", "--max-new-tokens", "3"])
+    p.communicate(timeout=120)
+    assert p.returncode == 0  # a k past the vocabulary is off
+
+
+def test_pip_install_gives_import_anywhere(tmp_path):
+    """pip install of the checkout (what `pip install git+URL` builds, here without the network): the engine's
+    modules and kernels.cu land flat in site-packages, and import nanoinfer works from any directory, the CUDA source
+    beside cuda_backend.py."""
+    site = tmp_path / "site"
+    r = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index",
+                        "--target", str(site), str(HERE)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.name for p in site.iterdir() if p.suffix in (".py", ".cu")) == [
+        "checkpoint.py", "cuda_backend.py", "kernels.cu", "nanoinfer.py", "paged_kv.py", "sampling_params.py",
+        "scheduler.py", "serve.py"]
+    code = "import nanoinfer, cuda_backend; print(nanoinfer.__file__, cuda_backend.KERNELS_CU.is_file())"
+    r = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(site)}, cwd=tmp_path,
+                       capture_output=True, text=True, timeout=120)
+    assert r.stdout.split() == [str(site / "nanoinfer.py"), "True"], r.stderr
+
+
+def test_bench_without_a_gpu_says_so():
+    """bench.py --device cuda where CuPy cannot load: exit 1 with what to install and the CPU alternative, no
+    traceback; --device auto would measure the CPU instead."""
+    code = ("import sys, runpy; sys.modules['cupy'] = None; sys.argv = ['bench.py', '--device', 'cuda']; "
+            f"runpy.run_path({str(HERE / 'bench.py')!r}, run_name='__main__')")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=HERE)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "cupy-cuda13x" in r.stderr and "--device cpu" in r.stderr, r.stderr

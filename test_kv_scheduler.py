@@ -1,0 +1,134 @@
+"""The paged KV cache and the scheduler: the block allocator, block tables and slots, the CUDA-graph run plan (plain
+Python), and a property-based stress test of continuous batching (hypothesis).
+
+The references are the definitions themselves: token j of a sequence lives in slot block_table[j // bs] * bs + j % bs;
+a block is free or in tables, never both, and its reference count is how many tables hold it (check_kv, conftest.py);
+and whatever arrives, is preempted or aborted, every request ends with its solo output.
+"""
+import os
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st, target
+
+import cuda_backend
+import nanoinfer as ni
+from conftest import EXACT_DEVICES, SAMPLED, check_kv, greedy, make_llm, random_ids, solo
+from nanoinfer import SamplingParams
+from paged_kv import BlockAllocator, PagedKVCache
+from scheduler import Sequence
+
+
+# -----------------------------------------------------------------------------
+# the block allocator, block tables and slots
+
+def test_block_allocator():
+    """Allocate all, run dry with an error, release, no double free, ref counts follow."""
+    a = BlockAllocator(4)
+    got = [a.allocate() for _ in range(4)]
+    assert sorted(got) == [0, 1, 2, 3] and a.num_free() == 0 and list(a.ref_count) == [1] * 4
+    with pytest.raises(RuntimeError):
+        a.allocate()
+    a.release(got[2])
+    assert a.num_free() == 1 and a.ref_count[got[2]] == 0
+    with pytest.raises(RuntimeError):
+        a.release(got[2])
+    assert a.allocate() == got[2]
+
+
+def test_paged_kv_tables_and_slots():
+    """Block tables grow block by block, slots follow block_table[j // bs] * bs + j % bs, free returns all."""
+    kv = PagedKVCache(ni.NumpyBackend(), n_layer=1, n_head=2, head_dim=4, num_blocks=6, block_size=4)
+    assert kv.k[0].shape == (6, 4, 2, 4)
+    kv.grow("a", 5), kv.grow("b", 3), kv.grow("a", 9)
+    check_kv(kv)
+    ta = kv.block_tables["a"]
+    assert len(ta) == 3 and len(kv.block_tables["b"]) == 1 and not kv.can_fit("b", 13) and kv.can_fit("b", 12)
+    bt = kv.block_table_array(["b", "a"])
+    pos = np.arange(3, 9)
+    assert kv.slot_mapping(bt, np.ones(6, int), pos).tolist() == [ta[j // 4] * 4 + j % 4 for j in pos]
+    assert bt.shape == (2, 3) and bt[1].tolist() == ta and bt[0, 0] == kv.block_tables["b"][0]
+    kv.free("a"), kv.free("b")
+    check_kv(kv)
+    assert kv.allocator.num_free() == 6
+
+
+def test_graph_run_plan_reserves_its_blocks_or_is_none():
+    """cuda_backend.plan_run (plain Python, no GPU): a run of decode steps takes the most steps (halving from the cap,
+    and no more than any sequence may still take) whose blocks the free list holds, reserves them, and maps each
+    row's first token to its slot; a sequence with fewer steps left is padding after them. When not even one more
+    step fits there is no run, and no block is taken (the planner once mapped a slot past the block table)."""
+    kv = PagedKVCache(ni.NumpyBackend(), n_layer=1, n_head=1, head_dim=4, num_blocks=14, block_size=1)
+    seqs = [Sequence(i, [1, 2, 3], SamplingParams(max_tokens=m), 0, None) for i, m in enumerate((16, 16, 2))]
+    for s in seqs:  # each has sampled one token, whose block the scheduler reserved (position 3)
+        s.token_ids.append(7)
+        kv.grow(s.seq_id, 4)
+    plan = cuda_backend.plan_run(kv, seqs, 0, 16, n_ctx=128)  # 2 free: 15 steps need 28 more blocks, 3 need 4
+    assert plan.num_steps == 1 and plan.remaining.tolist() == [15, 15, 1] and kv.allocator.num_free() == 2
+    check_kv(kv)
+    seqs[2].finish_reason = "length"  # done (its one step taken): a padding row from now on
+    kv.free(2)
+    plan = cuda_backend.plan_run(kv, seqs, 0, 16, n_ctx=128)  # 6 free: 3 steps need 2 blocks each
+    tables = [kv.block_tables[s] for s in (0, 1)]
+    assert plan.num_steps == 3 and [len(t) for t in tables] == [6, 6] and kv.allocator.num_free() == 2
+    assert plan.positions.tolist()[:2] == [3, 3] and plan.slot_mapping.tolist()[:2] == [tables[0][3], tables[1][3]]
+    assert plan.slot_mapping[2] == -1 and plan.remaining[2] == 0 and 2 not in kv.block_tables
+    assert cuda_backend.plan_run(kv, seqs[:2], 3, 16, n_ctx=128).num_steps == 1  # 3 steps ahead: one more block each
+    assert cuda_backend.plan_run(kv, seqs[:2], 4, 16, n_ctx=128) is None  # 4 ahead: no free block left
+    assert [len(kv.block_tables[s]) for s in (0, 1)] == [7, 7] and kv.allocator.num_free() == 0
+    check_kv(kv)
+
+
+# -----------------------------------------------------------------------------
+# the property-based stress: continuous batching gives every request its solo output
+
+# (prompt length, max_tokens, arrival step, sampled, seed, abort step or None, samples n)
+REQUEST = st.tuples(st.integers(1, 40), st.integers(1, 16), st.integers(0, 8), st.booleans(), st.integers(0, 2 ** 20),
+                    st.one_of(st.none(), st.none(), st.integers(0, 30)), st.sampled_from([1, 1, 1, 2, 3]))
+STRESS_EXAMPLES = int(os.environ.get("NANOINFER_STRESS_EXAMPLES", 20))  # raised before resolving engine changes
+
+
+@pytest.mark.parametrize("dev", EXACT_DEVICES)
+@settings(max_examples=STRESS_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(reqs=st.lists(REQUEST, min_size=2, max_size=6), block_size=st.sampled_from([1, 4, 16, 32]),
+       slack=st.sampled_from([0, 0, 1, 16, 64]), max_batched=st.sampled_from([3, 8, 32, 2048]),
+       max_seqs=st.sampled_from([1, 2, 256]))
+def test_stress_every_request_gets_its_solo_output(tiny, dev, reqs, block_size, slack, max_batched, max_seqs):
+    """Random requests (greedy or seeded sampling) arriving while others run, some aborted at a random step, on
+    random pools (down to the smallest that fits the largest request), block sizes and budgets: every request
+    finishes with its solo output (an aborted one: a prefix of it), the allocator invariants hold after every step,
+    and no block leaks."""
+    work = []
+    for length, max_tokens, arrival, sampled, seed, abort, n in reqs:
+        params = SamplingParams(seed=seed, n=n, **{**SAMPLED, "max_tokens": max_tokens}) if sampled else \
+            greedy(max_tokens, n=n)
+        work.append((arrival, random_ids(length, seed), params, abort))
+    biggest = max(-(-(len(p) + q.max_tokens) // block_size) for _, p, q, _ in work) * block_size
+    llm = make_llm(tiny, dev, block_size=block_size, num_kv_tokens=biggest + slack,
+                   max_num_batched_tokens=max_batched, max_num_seqs=max_seqs)
+    pending, ids, done, aborts, t, idle = sorted(work, key=lambda w: w[0]), {}, {}, {}, 0, 0
+    while pending or llm.has_unfinished():
+        while pending and (pending[0][0] <= t or not llm.has_unfinished()):
+            _, prompt, params, abort = pending.pop(0)
+            rid = llm.add_request(prompt, params)
+            ids[rid] = (prompt, params)
+            if abort is not None:
+                aborts.setdefault(t + abort, []).append(rid)
+        llm.abort_request(aborts.pop(t, []))
+        events = llm.step()
+        for rid, _, _, out in events:
+            if out is not None:
+                done[rid] = out
+        check_kv(llm.kv)
+        t, idle = t + 1, 0 if events else idle + 1
+        assert idle < 200, "200 steps without a new token: the engine is stuck"
+    assert set(done) == set(ids)
+    for rid, (prompt, params) in ids.items():
+        want = solo(tiny, dev, prompt, params)
+        for sample, w in zip(done[rid].outputs, want if params.n > 1 else [want]):
+            if sample.finish_reason == "abort":
+                assert sample.token_ids == w[:len(sample.token_ids)]
+            else:
+                assert sample.token_ids == w and sample.finish_reason == "length"
+    assert llm.kv.allocator.num_free() == llm.kv.num_blocks
+    target(float(llm.scheduler.num_preemptions), label="preemptions")  # steer the search toward pressure
