@@ -1342,17 +1342,17 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_pick(
 
 // ---------------------------------------------------------------------------------------------
 // CUDA-graph helpers. 12. decode_advance: a graph decode step's last kernel, so the next step needs no host (multi-step
-// decoding). Each row's token goes to a ring of history rows (row substep % ring: one run's rows are read while the
+// decoding). Each row's token goes to a ring of history rows (row ring_row % ring: one run's rows are read while the
 // next writes). A live row moves on: its token becomes its input, position and context length grow by one, its KV slot
-// comes from its block table (blocks the engine reserved), its sampling counter steps; after its last allowed token
+// comes from its block table (blocks the engine reserved), its sampling counter (token_index) steps; after its last allowed token
 // (`remaining`) it becomes padding (slot -1). Tiny: a thread per row, 8 ints.
 extern "C" __global__ void decode_advance(const int* tokens, int* input_ids, int* positions, int* context_lens,
-                                          int* slot_mapping, int* step, int* remaining, const int* block_tables,
-                                          int max_blocks, int block_size, int* history, int ring, int* substep, int B) {
+                                          int* slot_mapping, int* token_index, int* remaining, const int* block_tables,
+                                          int max_blocks, int block_size, int* history, int ring, int* ring_row, int B) {
     wait_for_inputs();
-    const int i = threadIdx.x, s = *substep;
+    const int i = threadIdx.x, s = *ring_row;
     __syncthreads();  // every thread has read the counter before thread 0 moves it on
-    if (i == 0) *substep = s + 1;
+    if (i == 0) *ring_row = s + 1;
     if (i >= B) return;
     history[(s % ring) * B + i] = tokens[i];
     if (slot_mapping[i] < 0) return;
@@ -1364,7 +1364,7 @@ extern "C" __global__ void decode_advance(const int* tokens, int* input_ids, int
     input_ids[i] = tokens[i];
     positions[i] = pos;
     context_lens[i] = pos + 1;
-    step[i] += 1;
+    token_index[i] += 1;
     slot_mapping[i] = blk < max_blocks ? block_tables[(long)i * max_blocks + blk] * block_size + pos % block_size : -1;
 }
 
