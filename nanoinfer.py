@@ -363,10 +363,22 @@ class ModelRunner:
 
 class Request:
     """A prompt and its SamplingParams: n sequences (samples), the outbox their events go to. The first sequence
-    prefills the prompt; the others start once it is in the KV cache, sharing its full blocks (LLM._fork)."""
+    prefills the prompt; the others start once it is in the KV cache, sharing its full blocks (fork)."""
     def __init__(self, request_id, prompt, seqs, outbox):
         self.request_id, self.prompt, self.seqs, self.outbox = request_id, prompt, seqs, outbox
         self.unforked = seqs[1:]  # samples waiting for the first one's prompt
+
+    def fork(self, kv, scheduler):
+        """Once the first sequence has its prompt in the cache (it samples now), the other samples start: each shares
+        the prompt's full blocks, and computes again only the last, partial one (at least the prompt's last token,
+        whose logits it samples from), so n samples cost one prompt's KV and one prefill."""
+        first = self.seqs[0]
+        shared = (len(first.prompt_token_ids) - 1) // kv.block_size
+        for sample in self.unforked:
+            kv.share(first.seq_id, sample.seq_id, shared)
+            sample.num_computed = shared * kv.block_size
+            scheduler.add(sample)
+        self.unforked = []
 
     @property
     def finished(self):
@@ -432,18 +444,8 @@ class LLM:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling parameters are a SamplingParams or None, not {type(params).__name__}")
-        c, ids = self.config, self.tokenizer.prompt_ids(prompt)
-        if any(t >= self.tokenizer.n_vocab for t in params.stop_token_ids):
-            raise ValueError(f"SamplingParams.stop_token_ids={params.stop_token_ids}: token ids are < "
-                             f"{self.tokenizer.n_vocab}")
-        if len(ids) >= c.n_ctx:
-            raise ValueError(f"the prompt is {len(ids)} tokens, and this model's context is {c.n_ctx} tokens with at "
-                             f"least one to generate: shorten the prompt to at most {c.n_ctx - 1} tokens")
-        most_tokens = min(len(ids) + params.max_tokens, c.n_ctx)
-        if self.kv.blocks_needed(most_tokens) > self.kv.num_blocks:
-            raise ValueError(f"the request may need {most_tokens} tokens of KV cache, but the whole pool holds "
-                             f"{self.kv.num_blocks * self.kv.block_size}: lower max_tokens, or give the engine a "
-                             "larger pool (num_kv_tokens, gpu_memory_utilization)")
+        ids = self.tokenizer.prompt_ids(prompt)
+        refuse_request(ids, params, self.config.n_ctx, self.tokenizer.n_vocab, self.kv)
         with self._exclusive():
             seed = params.seed if params.seed is not None else int(self._rng.integers(2 ** 63))
             rid = self._next_id  # the request's id, and its first sequence's; its samples take the next ones
@@ -539,7 +541,8 @@ class LLM:
     def _postprocess(self, seqs, tokens, logits):
         """Hand each sequence its tokens until one finishes it (the rest dropped, blocks freed): an event each."""
         for row, seq in enumerate(seqs):
-            self._fork(seq)
+            if seq.index == 0 and seq.num_output == 0:  # a request's first sample, at its first token
+                self._requests[seq.request_id].fork(self.kv, self.scheduler)
             for i, token in enumerate(tokens[:, row]):
                 if i > 0:
                     seq.num_computed += 1  # a later step of a run computed the token sampled before
@@ -550,20 +553,6 @@ class LLM:
                     self.scheduler.remove(seq)
                     break
         return self._events(seqs)
-
-    def _fork(self, seq):
-        """Once a request's first sequence has its prompt in the cache (it samples now), its other samples start: each
-        shares the prompt's full blocks, and computes again only the last, partial one (at least the prompt's last
-        token, whose logits it samples from), so n samples cost one prompt's KV and one prefill."""
-        if seq.index != 0 or seq.num_output > 0:  # only a request's first sample, at its first token
-            return
-        req = self._requests[seq.request_id]
-        shared = (len(seq.prompt_token_ids) - 1) // self.kv.block_size
-        for sample in req.unforked:
-            self.kv.share(seq.seq_id, sample.seq_id, shared)
-            sample.num_computed = shared * self.kv.block_size
-            self.scheduler.add(sample)
-        req.unforked = []
 
     def _events(self, seqs):
         """(request id, sample index, new text, None) per sequence; a request's last one here carries its
@@ -669,6 +658,21 @@ def logprobs_of(logits_row, token, k, tokenizer):
     ranks = {int(t): r + 1 for r, t in enumerate(order[:k])}
     ranks.setdefault(token, int((logp > logp[token]).sum()) + 1)
     return {t: Logprob(float(logp[t]), r, tokenizer.decode([t])) for t, r in ranks.items()}
+
+
+def refuse_request(ids, params, n_ctx, n_vocab, kv):
+    """ValueError, saying what to do, for a request that can never run: stop tokens past the vocabulary, a prompt
+    that leaves no room to generate, or more KV cache than the whole pool holds."""
+    if any(t >= n_vocab for t in params.stop_token_ids):
+        raise ValueError(f"SamplingParams.stop_token_ids={params.stop_token_ids}: token ids are < {n_vocab}")
+    if len(ids) >= n_ctx:
+        raise ValueError(f"the prompt is {len(ids)} tokens, and this model's context is {n_ctx} tokens with at least "
+                         f"one to generate: shorten the prompt to at most {n_ctx - 1} tokens")
+    most_tokens = min(len(ids) + params.max_tokens, n_ctx)
+    if kv.blocks_needed(most_tokens) > kv.num_blocks:
+        raise ValueError(f"the request may need {most_tokens} tokens of KV cache, but the whole pool holds "
+                         f"{kv.num_blocks * kv.block_size}: lower max_tokens, or give the engine a larger pool "
+                         "(num_kv_tokens, gpu_memory_utilization)")
 
 
 def sample_seed(seed, index):

@@ -163,7 +163,7 @@ class Scheduler:
         # admit new requests only when nothing had to make room this step, or they would thrash
         admit = admit and self.wants_admission() and not preempted
         while admit and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]  # its num_computed is 0, or a prompt's blocks it shares (LLM._fork)
+            seq = self.waiting[0]  # its num_computed is 0, or a prompt's blocks it shares (Request.fork)
             n = min(seq.num_uncomputed, budget)
             if not self._fits(seq, seq.num_computed + n):
                 break
@@ -176,7 +176,7 @@ class Scheduler:
 
     def _fits(self, seq, num_tokens):
         """Whether seq can hold num_tokens tokens, after taking back, newest first, the blocks that waiting sequences
-        hold (a sample's share of its prompt, LLM._fork): a waiting sequence then computes its prompt itself."""
+        hold (a sample's share of its prompt, Request.fork): a waiting sequence then computes its prompt itself."""
         while not self.kv.can_fit(seq.seq_id, num_tokens):
             holder = next((s for s in reversed(self.waiting) if s is not seq and s.seq_id in self.kv.block_tables),
                           None)
