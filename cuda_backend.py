@@ -60,7 +60,7 @@ def tc_smem(bm, bn, stages):
 
 def templates(src):
     """The template instantiations kernels.cu lists (its one list): 'matmul_tc<64,128,3>', 'embed<half>', ..."""
-    return re.findall(r"^INSTANTIATE\((\w+<[\w,]+>)\)", src.replace(" INSTANTIATE", "\nINSTANTIATE"), re.M)
+    return re.findall(r"INSTANTIATE\((\w+<[\w,]+>)\)", src)
 
 
 @functools.cache
