@@ -43,14 +43,11 @@ def find_gpu():
 # 1. compiling and launching kernels.cu
 
 KERNELS_CU = Path(__file__).with_name("kernels.cu")
-PLAIN = ["matmul_f32", "matmul_skinny", "attention_prefill", "penalize", "sample_pass", "sample_pick", "decode_advance",
-         "take_rows"]
+PLAIN = ["matmul_f32", "matmul_skinny", "attention_prefill", "penalize", "sample_pass", "sample_pick", "decode_advance"]
 GEMV_SMEM = 224 * 1024  # matmul_gemv keeps x in shared memory: K * 2 bytes at most
-SMEM_MAX = 227 * 1024  # shared memory a block may have on Hopper
 SAMPLE_WARP, SAMPLE_CAP, SUMMARY_BYTES = 512, 16, 24  # kernels.cu's sampler: a pass warp's logits, its candidates
-SAMPLE_THREADS, SAMPLE_HEAD = 256, 2048  # the pick's block, its head of sorted logits
-SAMPLE_SMEM = SMEM_MAX - 4096  # the pick's dynamic shared memory at most (4 KB left for its static arrays)
-SAMPLE_MAX_V = (SAMPLE_SMEM - SAMPLE_HEAD * 8) // 4  # the pick's row in shared memory beside the head
+SAMPLE_THREADS = 256  # the pick's block: its head holds 128 warps' candidates (16 KB), its exact way a row of logits
+SAMPLE_MAX_V = (227 - 20) * 1024 // 4  # the row in the shared memory left (of the 227 KB a block may have on Hopper)
 SAMPLE_ROWS = 1024  # rows sampled per launch: the scratch from the pass to the pick is sized for this many
 
 
@@ -86,7 +83,7 @@ def compile_kernels():
             kernel.max_dynamic_shared_size_bytes = tc_smem(*map(int, re.findall(r"\d+", name)))
         elif name.startswith("matmul_gemv<"):
             kernel.max_dynamic_shared_size_bytes = GEMV_SMEM
-    kernels["sample_pick"].max_dynamic_shared_size_bytes = SAMPLE_SMEM
+    kernels["sample_pick"].max_dynamic_shared_size_bytes = SAMPLE_MAX_V * 4
     return kernels, f"kernels.cu: {how} in {time.perf_counter() - t0:.1f} s"
 
 
@@ -461,7 +458,7 @@ class CudaBackend:
         logits = self._contiguous(logits, np.float32)
         R, V = logits.shape
         if V > SAMPLE_MAX_V:
-            raise ValueError(f"the sampler's kernel keeps a row in shared memory: at most {SAMPLE_MAX_V} logits, not {V}")
+            raise ValueError(f"the sampler keeps a row in shared memory: at most {SAMPLE_MAX_V} logits, not {V}")
         W = cdiv(V, SAMPLE_WARP)  # pass warps a row
         if V not in self._sample_scratch:  # kept for good: captured graphs hold its pointers
             self._sample_scratch[V] = (cp.empty((SAMPLE_ROWS, W, SUMMARY_BYTES), np.uint8),  # kernels.cu's WarpSummary
@@ -474,8 +471,7 @@ class CudaBackend:
             n, rows = min(SAMPLE_ROWS, R - r), slice(r, r + SAMPLE_ROWS)
             args = (logits[rows], np.int32(V), np.int32(W), *(a[rows] for a in params), *self._sample_scratch[V])
             self.launch("sample_pass", (cdiv(W, 8), n), (256,), args)
-            self.launch("sample_pick", (n,), (SAMPLE_THREADS,), args + (tokens[rows],),
-                        shared_mem=SAMPLE_HEAD * 8 + cdiv(V, 4) * 16)
+            self.launch("sample_pick", (n,), (SAMPLE_THREADS,), args + (tokens[rows],), shared_mem=V * 4)
         return tokens
 
     def sample(self, logits, temperature, top_k, top_p, seed, token_index, min_p):
@@ -711,8 +707,7 @@ class GraphRunner:
         else:
             graph.start(np.zeros(len(seqs), np.int32), sampling._asdict(), plan)
             with self.stream:  # row i's input token is the run's row live[i], gathered on the GPU: no wait for it
-                src, dst, n = run.graph.dev["input_ids"], graph.dev["input_ids"], len(live)
-                self.backend.launch("take_rows", (1,), (n,), (src, cp.asarray(live, np.int32), dst, np.int32(n)))
+                graph.dev["input_ids"][:len(live)] = run.graph.dev["input_ids"][cp.asarray(live)]
         return graph.launch(seqs, sampling, plan)
 
     @contextlib.contextmanager

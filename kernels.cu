@@ -17,7 +17,6 @@
 //  10. penalize          the logits processors before sampling: repetition, presence, frequency penalties, bans
 //  11. sample           one token per row: greedy, or an exponential race over the kept tokens
 //  12. decode_advance    CUDA-graph helper: the next decode step's inputs, made on the GPU
-//  13. take_rows         CUDA-graph helper: out[i] = src[rows[i]]
 
 #include <cuda_fp16.h>
 #define NEG_INF __int_as_float(0xff800000)
@@ -939,26 +938,21 @@ extern "C" __global__ void penalize(float* logits, int V, const int* rows, const
     *x = banned[e] ? NEG_INF : v - frequency[row] * n - (n > 0 ? presence[row] : 0.f);
 }
 
-// 11. sample: one token per row (nanoinfer.sample_row). Greedy takes the row's first argmax. Otherwise the
-// exponential race (Gumbel-max): of the tokens temperature, top-k, top-p and min-p keep, the one with the largest
-// logit / T + gumbel(key, token), the noise keyed by (seed, token index, token id), so nothing else in the batch can
-// move it. Each filter keeps the logits at or above a threshold, so the kept tokens are {logit >= t}, and only the few
-// logits near the top need sorting. Two kernels, as flash-decoding splits a row so that batch 1 fills the GPU:
-// - sample_pass, a warp per 512 logits of a row (99 for GPT-2, 13 blocks), hands on a WarpSummary (max and first
-//   argmax; with no filter, its race's winner; for top-p, its sum of p) and, for a filtered row, its 8-16 largest
-//   logits (a cut found by bisection, a warp reduction a step), with the largest logit it kept back (its bound);
-// - sample_pick, a block a row: the head is every candidate above the largest bound, and so every logit above it
-//   (with top-k, only those at or above the k-th largest warp maximum: k logits reach that). When the head holds the
-//   kept set (top-k: k of it; top-p: top_p of the mass; min-p: its floor above the bound) it is sorted largest first
-//   (bitonic): top-k keeps its first k (and their ties), top-p its shortest prefix holding top_p of the mass, and the
-//   kept ones that min-p leaves race. Otherwise (a flat row, a large k, ties) the exact way: the row in shared memory,
-//   the threshold by bisection over it (by value, then by bit pattern: where adjacent floats bound it, it is exact),
-//   the head taken from the row or, if the kept tokens outnumber it, a race over the row.
+// 11. sample: one token per row (nanoinfer.sample_row). Greedy: the row's first argmax. Otherwise the exponential
+// race (Gumbel-max): of the tokens temperature, top-k, top-p and min-p keep, the one with the largest logit / T +
+// gumbel(key, token), keyed by (seed, token index, token id), so that nothing else in the batch can move it. Each
+// filter is a threshold, the kept tokens {logit >= t}, so mostly only the logits near the top matter. Two kernels, as
+// flash-decoding splits a row so that batch 1 fills the GPU:
+// - sample_pass, a warp per 512 logits (99 for GPT-2): its max, its race's winner (no top-k), its sum of p (top-p
+//   alone) and, for a filtered row, its 8-16 largest logits as candidates, with the largest it kept back (its bound);
+// - sample_pick, a block a row: with no top-k, the race over every token stands if its winner is kept. Else the head,
+//   every candidate above the largest bound (so every logit above it; with top-k, only those at or above the k-th
+//   largest warp maximum, which k logits reach): where it holds the kept set, the thresholds are found in it;
+//   otherwise in the whole row (the exact way).
 // Masses are integers (p in 2^-31 units) where the pick compares them: sums the same in any order. Bytes: 4 a logit,
-// read once (the exact way: twice); a few FLOPs a logit a pass, ~25 more a raced logit.
+// read once (the exact way: once a bisection step); a few FLOPs a logit, ~25 more a raced logit.
 constexpr int SAMPLE_MIN = 8, SAMPLE_CAP = 16;  // the candidates a warp of the pass hands on
-constexpr int SAMPLE_THREADS = 256, SAMPLE_HEAD = 2048, SAMPLE_PER = SAMPLE_HEAD / SAMPLE_THREADS;  // the pick's
-constexpr int SAMPLE_GOAL = 256, SAMPLE_BY_VALUE = 12;  // the exact way's bisection: its goal, its steps by value
+constexpr int SAMPLE_THREADS = 256, SAMPLE_HEAD = 2048;  // the pick's block, its head (W <= 128)
 
 __device__ __forceinline__ unsigned order_key(float x) {  // unsigned integers that order as the floats do
     const unsigned u = __float_as_uint(x);  // negative: all bits flipped; else the sign bit set
@@ -994,9 +988,13 @@ __device__ __forceinline__ float race_noise(unsigned long long key, int token) {
     return -lg2_approx(d < 0.0625f ? series : -lg2_approx(u));
 }
 
+template <typename T, typename Op> __device__ T warp_reduce(T v, Op op) {
+    for (int off = 16; off > 0; off >>= 1) v = op(v, __shfl_xor_sync(FULL_MASK, v, off));
+    return v;
+}
 template <typename T, typename Op> __device__ T block_reduce(T v, Op op) {  // every thread gets op over the block
     __shared__ T scratch[32];
-    for (int off = 16; off > 0; off >>= 1) v = op(v, __shfl_xor_sync(FULL_MASK, v, off));
+    v = warp_reduce(v, op);
     __syncthreads();  // a previous call's readers are done with the scratch
     if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
     __syncthreads();
@@ -1005,16 +1003,18 @@ template <typename T, typename Op> __device__ T block_reduce(T v, Op op) {  // e
     return v;
 }
 template <typename T> __device__ T block_sum(T v) { return block_reduce(v, [](T a, T b) { return a + b; }); }
-__device__ unsigned long long block_max(unsigned long long v) {
-    return block_reduce(v, [](unsigned long long a, unsigned long long b) { return a > b ? a : b; });
-}
-// (value, index) as one integer whose max is the largest value, ties to the least index: argmax in one reduction
-__device__ __forceinline__ unsigned long long ranked(float v, int i) {
-    return (unsigned long long)order_key(v) << 32 | ~(unsigned)i;
-}
 __device__ __forceinline__ unsigned long long warp_max(unsigned long long v) {  // two redux.sync, not 10 shuffles
     const unsigned hi = __reduce_max_sync(FULL_MASK, (unsigned)(v >> 32));
     return (unsigned long long)hi << 32 | __reduce_max_sync(FULL_MASK, (unsigned)(v >> 32) == hi ? (unsigned)v : 0u);
+}
+struct Max64 {
+    __device__ unsigned long long operator()(unsigned long long a, unsigned long long b) const { return max(a, b); }
+};
+__device__ unsigned long long warp_reduce(unsigned long long v, Max64) { return warp_max(v); }  // block_max's warps
+__device__ unsigned long long block_max(unsigned long long v) { return block_reduce(v, Max64{}); }
+// (value, index) as one integer whose max is the largest value, ties to the least index: argmax in one reduction
+__device__ __forceinline__ unsigned long long ranked(float v, int i) {
+    return (unsigned long long)order_key(v) << 32 | ~(unsigned)i;
 }
 
 struct Filters {  // one row's sampling parameters
@@ -1047,145 +1047,56 @@ __device__ __forceinline__ unsigned long long top_p_target(const Filters& f, uns
     return (unsigned long long)((double)f.top_p * total);
 }
 
-struct Above { int n; unsigned long long mass; };  // the logits >= t: how many, and their p (fixed_p units)
-__device__ Above above(const float4* row, int V4, float t, const Filters& f, bool mass) {
-    int n = 0;
-    unsigned long long p = 0;
-#pragma unroll 4
-    for (int i = threadIdx.x; i < V4; i += blockDim.x) {
-        const float4 q = row[i];
-        for (float x : {q.x, q.y, q.z, q.w})
-            if (x >= t) { n++; if (mass) p += fixed_p(f.prob(x)); }
-    }
-    return {block_sum(n), mass ? block_sum(p) : 0ull};
+// The kept set and its race, over n entries in shared memory: the head, or the whole row (the exact way); at(i) gives
+// entry i's logit and token id. Each threshold by bisection on the floats' order keys: the largest t whose logits
+// >= t meet a need (top-k: k of them; top-p: top_p of the mass), from lo, where they do. A step's pass also finds
+// the logits nearest t, above and below, and moves an end onto one, so that it stops once one logit is left between
+// the ends (about log2 n steps), exactly at a logit. (A bitonic sort of the head was ~2 us faster a step: NOTES.)
+struct Entry { float x; int id; };
+struct Above { int n; unsigned long long mass; unsigned least, most; };  // >= t: how many, their p; the least key >= t,
+template <typename Op> __device__ Above warp_reduce(Above a, Op op) {   // the largest key < t. A redux.sync a field:
+    const unsigned hi = __reduce_add_sync(FULL_MASK, (unsigned)(a.mass >> 16));  // a thread's mass < 2^40
+    return {(int)__reduce_add_sync(FULL_MASK, (unsigned)a.n),
+            ((unsigned long long)hi << 16) + __reduce_add_sync(FULL_MASK, (unsigned)(a.mass & 0xffff)),
+            __reduce_min_sync(FULL_MASK, a.least), __reduce_max_sync(FULL_MASK, a.most)};
 }
-
-// Raise lo (its logits meet need; those >= hi do not) until at most SAMPLE_GOAL logits are >= lo, or no logit lies
-// between lo and hi: then lo is the threshold itself. Past SAMPLE_BY_VALUE steps, a head that fits will do.
-template <typename Need>
-__device__ void bisect(const float4* row, int V4, const Filters& f, float& lo, float hi, Above& at_lo, bool mass,
-                       Need need) {
-    for (int i = 0; at_lo.n > (i < SAMPLE_BY_VALUE ? SAMPLE_GOAL : SAMPLE_HEAD); i++) {
-        const unsigned a = order_key(lo), b = order_key(hi);
-        if (b - a <= 1) return;
-        const float t = i < SAMPLE_BY_VALUE ? 0.5f * lo + 0.5f * hi : key_float(a + (b - a) / 2);
-        const Above c = above(row, V4, t, f, mass);
-        if (need(c)) { lo = t; at_lo = c; } else { hi = t; }
+template <typename At> __device__ Above above(At at, int n, float t, const Filters& f, bool mass) {
+    Above a = {0, 0ull, ~0u, 0u};
+    const unsigned kt = order_key(t);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const float x = at(i).x;
+        const unsigned k = order_key(x);
+        if (k >= kt) { a.n++; a.mass += mass ? fixed_p(f.prob(x)) : 0ull; a.least = min(a.least, k); }
+        else a.most = max(a.most, k);
     }
+    return block_reduce(a, [](Above a, Above b) {
+        return Above{a.n + b.n, a.mass + b.mass, min(a.least, b.least), max(a.most, b.most)};
+    });
 }
-
-// The head's race: its n entries (ranked logits, in any order) sorted largest first; top-k (k > 0: cut here) keeps
-// the first k and their ties, top-p the shortest prefix holding top_p of the mass (of the top k, or `total`), min-p
-// its floor
-__device__ int race_head(unsigned long long* head, int n, const Filters& f, int k, unsigned long long total) {
-    const int tid = threadIdx.x, nt = blockDim.x;
-    int n2 = 1;
-    while (n2 < n) n2 <<= 1;
-    for (int i = n + tid; i < n2; i += nt) head[i] = 0;  // empty entries sort last
-    __syncthreads();
-    for (int size = 2; size <= n2; size <<= 1)  // bitonic sort, largest first: pairs `stride` apart swap into order
-        for (int stride = size / 2; stride > 0; stride >>= 1) {
-            for (int i = tid; i < n2 / 2; i += nt) {
-                const int a = 2 * i - (i & (stride - 1)), b = a + stride;
-                const unsigned long long x = head[a], y = head[b];
-                if ((x < y) == ((a & size) == 0)) { head[a] = y; head[b] = x; }
-            }
-            __syncthreads();
-        }
-    // thread tid owns entries e0 .. e0 + SAMPLE_PER - 1: their logits and p
-    const int e0 = tid * SAMPLE_PER;
-    float x[SAMPLE_PER];
-    unsigned long long p[SAMPLE_PER], mine = 0;
-#pragma unroll
-    for (int j = 0; j < SAMPLE_PER; j++) {
-        x[j] = e0 + j < n ? key_float((unsigned)(head[e0 + j] >> 32)) : NEG_INF;
-        p[j] = e0 + j < n ? fixed_p(f.prob(x[j])) : 0ull;
-        mine += p[j];
+template <typename At, typename Need>
+__device__ float threshold(At at, int n, const Filters& f, float lo, bool mass, Need need) {
+    unsigned a = order_key(lo), b = order_key(f.m) + 1;  // need holds at a, fails at b (no logit is >= b)
+    while (b - a > 1) {
+        const Above c = above(at, n, key_float(a + (b - a) / 2), f, mass);
+        if (need(c)) a = c.least;  // the same logits are >= their least
+        else b = c.most + 1;       // none lies between the largest below the midpoint and it
     }
-    const float t_k = 0 < k && k < n ? key_float((unsigned)(head[k - 1] >> 32)) : NEG_INF;  // the k-th largest
-    if (k > 0) {
-        unsigned long long in_k = 0;
-#pragma unroll
-        for (int j = 0; j < SAMPLE_PER; j++) in_k += x[j] >= t_k ? p[j] : 0ull;
-        total = block_sum(in_k);
-    }
-    float t = t_k;
-    if (f.top_p < 1.f) {  // kept while the mass of the entries before is below the target
-        __shared__ unsigned long long warp_mass[32];
-        const int lane = tid & 31, warp = tid >> 5;
-        unsigned long long before = mine;  // the exclusive prefix sum over entries: by warp, then over warps
-        for (int off = 1; off < 32; off <<= 1) {
-            const unsigned long long v = __shfl_up_sync(FULL_MASK, before, off);
-            if (lane >= off) before += v;
-        }
-        if (lane == 31) warp_mass[warp] = before;
-        before -= mine;
-        __syncthreads();
-        for (int w = 0; w < warp; w++) before += warp_mass[w];
+    return key_float(a);
+}
+// total: the mass top-p cuts from, when top-k is off (the row's); top-k's is found here
+template <typename At> __device__ int sample_kept(At at, int n, const Filters& f, float lo, unsigned long long total) {
+    if (f.top_k > 0) lo = threshold(at, n, f, lo, false, [&](Above c) { return c.n >= f.top_k; });
+    if (f.top_p < 1.f) {
+        if (f.top_k > 0) total = above(at, n, lo, f, true).mass;
         const unsigned long long target = top_p_target(f, total);
-        int kept = 0;
-#pragma unroll
-        for (int j = 0; j < SAMPLE_PER; j++) {
-            kept += x[j] >= t_k && before < target;
-            before += p[j];
-        }
-        kept = block_sum(kept);
-        t = fmaxf(t_k, key_float((unsigned)(head[max(kept, 1) - 1] >> 32)));  // the last entry kept, and its ties
+        lo = threshold(at, n, f, lo, true, [&](Above c) { return c.mass >= target; });
     }
-    unsigned long long best = 0;
-#pragma unroll
-    for (int j = 0; j < SAMPLE_PER; j++)
-        if (x[j] >= t && (f.min_p <= 0.f || f.prob(x[j]) >= f.min_p))
-            best = max(best, f.race(x[j], ~(unsigned)head[e0 + j]));
-    return ~(unsigned)block_max(best);
-}
-
-// The row's race at its exact threshold lo: every logit >= lo that min-p keeps
-__device__ int race_row(const float4* row, int V4, float lo, const Filters& f) {
-    unsigned long long best = 0;
-    for (int i = threadIdx.x; i < 4 * V4; i += blockDim.x) {
-        const float x = reinterpret_cast<const float*>(row)[i];
-        if (x >= lo && (f.min_p <= 0.f || f.prob(x) >= f.min_p)) best = max(best, f.race(x, i));
+    unsigned long long best = 0;  // the race: every logit >= lo that min-p keeps
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const Entry e = at(i);
+        if (e.x >= lo && (f.min_p <= 0.f || f.prob(e.x) >= f.min_p)) best = max(best, f.race(e.x, e.id));
     }
     return ~(unsigned)block_max(best);
-}
-
-// The exact way (see the section's head): row, in shared memory, padded with -inf to V4 * 4 logits
-__device__ int sample_exact(const float* in, int V, Filters& f, float* row, unsigned long long* head) {
-    __shared__ int filled;
-    const int V4 = (V + 3) / 4;
-    const float4* row4 = reinterpret_cast<const float4*>(row);
-    for (int i = threadIdx.x; i < V4 * 4; i += blockDim.x) {  // every copy in flight at once, none in registers
-        if (i < V) asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" :: "r"(smem_addr(row + i)), "l"(in + i));
-        else row[i] = NEG_INF;
-    }
-    cp_async_commit();
-    cp_async_wait<0>();
-    __syncthreads();
-    float least = __int_as_float(0x7f800000);  // the least finite logit (+inf: none)
-    for (int i = threadIdx.x; i < V4 * 4; i += blockDim.x)
-        if (row[i] != NEG_INF) least = fminf(least, row[i]);
-    float lo = block_reduce(least, [](float a, float b) { return fminf(a, b); });
-    const float hi = key_float(order_key(f.m) + 1);  // the float above the max: no logit is >= it
-    Above at_lo = above(row4, V4, lo, f, f.top_p < 1.f);  // every finite logit
-    unsigned long long total = at_lo.mass;  // the mass that top-p cuts from
-    bool cut_k = false;  // whether the head still has to cut the top k
-    if (0 < f.top_k && f.top_k < at_lo.n) {
-        bisect(row4, V4, f, lo, hi, at_lo, false, [&](Above c) { return c.n >= f.top_k; });
-        cut_k = at_lo.n <= SAMPLE_HEAD;
-        if (!cut_k && f.top_p < 1.f) total = (at_lo = above(row4, V4, lo, f, true)).mass;  // lo is the k-th largest
-    }
-    if (f.top_p < 1.f && !cut_k) {
-        const unsigned long long target = top_p_target(f, total);
-        bisect(row4, V4, f, lo, hi, at_lo, true, [&](Above c) { return c.mass >= target; });
-    }
-    if (at_lo.n > SAMPLE_HEAD) return race_row(row4, V4, lo, f);
-    if (threadIdx.x == 0) filled = 0;
-    __syncthreads();
-    for (int i = threadIdx.x; i < V; i += blockDim.x)
-        if (row[i] >= lo) head[atomicAdd(&filled, 1)] = ranked(row[i], i);
-    __syncthreads();
-    return race_head(head, at_lo.n, f, cut_k ? f.top_k : 0, total);
 }
 
 struct WarpSummary {            // one warp's share of a row, for the row's pick
@@ -1276,9 +1187,8 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_pick(
     const float* min_p, const unsigned long long* seed, const int* token_index, const WarpSummary* summary,
     const unsigned long long* candidates, int* tokens) {
     constexpr int LOADS = 128 * SAMPLE_CAP / SAMPLE_THREADS;  // candidates a thread (W <= 128)
-    extern __shared__ __align__(16) unsigned char sample_smem[];
-    unsigned long long* head = reinterpret_cast<unsigned long long*>(sample_smem);  // (SAMPLE_HEAD,)
-    float* row = reinterpret_cast<float*>(head + SAMPLE_HEAD);                       // the exact way's row
+    extern __shared__ __align__(16) unsigned char sample_smem[];  // the exact way's row
+    __shared__ unsigned long long head[SAMPLE_HEAD];  // the candidates above the bound (ranked)
     __shared__ float maxima[SAMPLE_THREADS];
     __shared__ int filled;
     wait_for_inputs();
@@ -1335,17 +1245,28 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_pick(
         else in_head = block_sum(in_head);  // (its barriers: filled)
         const int n = filled;
         const bool holds = f.top_k > 0 ? n >= f.top_k : f.top_p < 1.f ? in_head >= target : f.prob(bound) < f.min_p;
-        token = holds ? race_head(head, n, f, f.top_k, total) : sample_exact(logits + (long)r * V, V, f, row, head);
+        if (holds) {
+            token = sample_kept([&](int i) { return Entry{key_float(head[i] >> 32), (int)~(unsigned)head[i]}; }, n, f,
+                                bound, total);
+        } else {  // the exact way: the row into shared memory (every copy in flight at once), then over it
+            float* row = reinterpret_cast<float*>(sample_smem);
+            for (int i = tid; i < V; i += SAMPLE_THREADS)
+                asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" :: "r"(smem_addr(row + i)), "l"(logits + (long)r * V + i));
+            cp_async_commit();
+            cp_async_wait<0>();
+            __syncthreads();
+            token = sample_kept([&](int i) { return Entry{row[i], i}; }, V, f, NEG_INF, total);
+        }
     }
     if (tid == 0) tokens[r] = token;
 }
 
 // ---------------------------------------------------------------------------------------------
-// CUDA-graph helpers. 12. decode_advance: a graph decode step's last kernel, so the next step needs no host (multi-step
-// decoding). Each row's token goes to a ring of history rows (row ring_row % ring: one run's rows are read while the
-// next writes). A live row moves on: its token becomes its input, position and context length grow by one, its KV slot
-// comes from its block table (blocks the engine reserved), its sampling counter (token_index) steps; after its last allowed token
-// (`remaining`) it becomes padding (slot -1). Tiny: a thread per row, 8 ints.
+// 12. decode_advance: a CUDA-graph decode step's last kernel, so that the next step needs no host (multi-step decoding).
+// Each row's token goes to a ring of history rows (row ring_row % ring: one run's rows are read while the next
+// writes). A live row moves on: its token becomes its input, position and context length grow by one, its KV slot
+// comes from its block table (blocks the engine reserved), its sampling counter (token_index) steps; after its last
+// allowed token (`remaining`) it becomes padding (slot -1). Tiny: a thread per row, 8 ints.
 extern "C" __global__ void decode_advance(const int* tokens, int* input_ids, int* positions, int* context_lens,
                                           int* slot_mapping, int* token_index, int* remaining, const int* block_tables,
                                           int max_blocks, int block_size, int* history, int ring, int* ring_row, int B) {
@@ -1366,13 +1287,6 @@ extern "C" __global__ void decode_advance(const int* tokens, int* input_ids, int
     context_lens[i] = pos + 1;
     token_index[i] += 1;
     slot_mapping[i] = blk < max_blocks ? block_tables[(long)i * max_blocks + blk] * block_size + pos % block_size : -1;
-}
-
-// 13. take_rows: out[i] = src[rows[i]] for i < n. When the decode rows that go on fit a smaller CUDA graph,
-// their next input tokens (left on the GPU by decode_advance) move into its buffer without the host. Tiny.
-extern "C" __global__ void take_rows(const int* src, const int* rows, int* out, int n) {
-    const int i = threadIdx.x;
-    if (i < n) out[i] = src[rows[i]];
 }
 
 // The templates' instantiations, one list: NVRTC gets them as name expressions (cuda_backend reads them here), and
