@@ -215,7 +215,7 @@ def bytes_to_unicode():
 class Tokenizer:
     """tiktoken's BPE over the directory's vocabulary: vocab.json + merges.txt, or a tokenizers-library
     tokenizer.json (what transformers 5's save_pretrained writes) holding the same two in one file."""
-    def __init__(self, path):
+    def __init__(self, path, vocab_size=None):
         import tiktoken
         if (path / "vocab.json").is_file() or not (path / "tokenizer.json").is_file():
             vocab_file, merges_file = _need(path, "vocab.json"), _need(path, "merges.txt")
@@ -243,6 +243,9 @@ class Tokenizer:
         self.enc = tiktoken.Encoding("gpt2-local", pat_str=GPT2_SPLIT, mergeable_ranks=ranks,
                                      special_tokens={"<|endoftext|>": self.eot_token})
         self.n_vocab = self.enc.n_vocab  # the tokens it can decode: a padded embedding has more rows
+        if vocab_size is not None and self.n_vocab > vocab_size:
+            raise ValueError(f"{path}: the tokenizer has {self.n_vocab} tokens but config.json's vocab_size is "
+                             f"{vocab_size}: the files do not belong together")
 
     def encode(self, text):
         return self.enc.encode(text, allowed_special="all")

@@ -380,6 +380,18 @@ class Request:
             scheduler.add(sample)
         self.unforked = []
 
+    def finish(self, reason, error, scheduler, seq=None):
+        """End seq (None: every unfinished sample); if it is the first sample, those still waiting for its prompt too
+        (they would never start). Returns the sequences it ended."""
+        ended = [s for s in self.seqs if not s.finish_reason and
+                 (seq is None or s is seq or seq.index == 0 and s in self.unforked)]
+        if seq is None or seq.index == 0:
+            self.unforked = []
+        for s in ended:
+            scheduler.remove(s)
+            s.finish(reason, error)
+        return ended
+
     @property
     def finished(self):
         return all(seq.finish_reason for seq in self.seqs)
@@ -406,16 +418,13 @@ class LLM:
         check_engine_arguments(locals())
         path = resolve_model(model)
         self.config = c = load_config(path)
-        self.tokenizer = Tokenizer(path)
-        if self.tokenizer.n_vocab > c.vocab_size:
-            raise ValueError(f"{path}: the tokenizer has {self.tokenizer.n_vocab} tokens but config.json's vocab_size "
-                             f"is {c.vocab_size}: the files do not belong together")
+        self.tokenizer = Tokenizer(path, c.vocab_size)
         self.backend = make_backend(device, dtype)
         self.backend.check_model(c)
         # the lessons' switches: fusion, dependent launches; and outputs bitwise the same solo, batched, chunked or
         # preempted (every reduction row by row, in a fixed order)
-        self.backend.fused, self.backend.dependent_launches = fused, dependent_launches
-        self.backend.batch_invariant = batch_invariant
+        self.backend.fused, self.backend.dependent_launches, self.backend.batch_invariant = (
+            fused, dependent_launches, batch_invariant)
         t0 = time.perf_counter()
         weights = load_weights(path, c)
         log(f"weights: {sum(w.size for w in weights.values()) / 1e6:,.0f}M parameters ({c.n_layer} layers, "
@@ -465,11 +474,7 @@ class LLM:
                 self._aborts_after_step += ids
                 return
             for req in [self._requests[rid] for rid in ids if rid in self._requests]:
-                for seq in req.seqs:
-                    if not seq.finish_reason:
-                        self.scheduler.remove(seq)
-                        seq.finish("abort")
-                req.unforked = []
+                req.finish("abort", None, self.scheduler)
                 self._deliver(self._events(req.seqs))
 
     def has_unfinished(self):
@@ -526,17 +531,9 @@ class LLM:
     def _fail(self, saved, error):
         log(f"a step failed; its {len(saved)} sequence(s) end with finish_reason 'error':")
         traceback.print_exception(error)
-        failed = list(saved)
-        for seq in saved:
-            self.scheduler.remove(seq)
-            seq.finish("error", f"the engine step running this request failed: {type(error).__name__}: {error}")
-            req = self._requests[seq.request_id]
-            if seq.index == 0 and req.unforked:  # samples that were to start from its prompt never will
-                for sample in req.unforked:
-                    sample.finish("error", seq.error)
-                failed += req.unforked
-                req.unforked = []
-        return self._events(failed)
+        message = f"the engine step running this request failed: {type(error).__name__}: {error}"
+        return self._events([ended for seq in saved
+                             for ended in self._requests[seq.request_id].finish("error", message, self.scheduler, seq)])
 
     def _postprocess(self, seqs, tokens, logits):
         """Hand each sequence its tokens until one finishes it (the rest dropped, blocks freed): an event each."""
@@ -582,8 +579,7 @@ class LLM:
                 try:
                     index[self._add(prompt, p, outbox)] = i
                 except ValueError as e:
-                    yield i, 0, "", RequestOutput(None, prompt if isinstance(prompt, str) else None, [],
-                                                  [CompletionOutput(0, finish_reason="error")], error=str(e))
+                    yield i, 0, "", RequestOutput.refused(prompt, e)
             remaining = len(index)
             while remaining:
                 with self._exclusive():

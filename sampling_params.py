@@ -86,6 +86,11 @@ class RequestOutput:  # as vLLM's, and `error`: why a request failed or was refu
     finished: bool = True
     error: str = None
 
+    @classmethod
+    def refused(cls, prompt, error):
+        return cls(None, prompt if isinstance(prompt, str) else None, [], [CompletionOutput(0, finish_reason="error")],
+                   error=str(error))
+
 
 def check_engine_arguments(args):
     """ValueError naming the first of LLM's arguments (its locals()) that is out of range."""
