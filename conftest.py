@@ -276,6 +276,16 @@ def solo(ckpt, dev, prompt, params):
     return _solo_cache[key]
 
 
+def solo_prompt_logprobs(ckpt, dev, prompt):
+    """The prompt's log-probs (prompt_logprobs=1) with the prompt alone in the engine."""
+    key = (dev, tuple(prompt), "prompt_logprobs")
+    if key not in _solo_cache:
+        if (dev, "llm") not in _solo_cache:
+            _solo_cache[dev, "llm"] = make_llm(ckpt, dev)
+        _solo_cache[key] = _solo_cache[dev, "llm"].generate([prompt], greedy(1, prompt_logprobs=1))[0].prompt_logprobs
+    return _solo_cache[key]
+
+
 # -----------------------------------------------------------------------------
 # inputs that tests of two layers share
 

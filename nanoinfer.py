@@ -289,8 +289,9 @@ def penalties(seqs):
 
 
 def make_batch(scheduled, kv):
-    """Flatten this step's work, [(sequence, tokens to compute now)], into one Batch, and list the sequences whose last
-    token it holds (they sample): Python loops over sequences, numpy over tokens."""
+    """Flatten this step's work, [(sequence, tokens to compute now)], into one Batch; list the sequences whose last
+    token it holds (they sample), and [(sequence, positions)] whose logits give prompt log-probs: their logits come
+    after the samplers'. Python loops over sequences, numpy over tokens."""
     seqs = [seq for seq, _ in scheduled]
     counts = np.array([n for _, n in scheduled], np.int32)
     starts = np.array([seq.num_computed for seq in seqs], np.int32)
@@ -301,8 +302,13 @@ def make_batch(scheduled, kv):
     samples = starts + counts == np.array([len(seq.token_ids) for seq in seqs])  # reached their last token
     input_ids = np.fromiter(itertools.chain.from_iterable(
         seq.token_ids[a:a + n] for seq, a, n in zip(seqs, starts.tolist(), counts.tolist())), np.int32, len(row))
+    spans = [(i, seq.prompt_logprob_span(n)) for i, (seq, n) in enumerate(scheduled)]
+    spans = [(i, span) for i, span in spans if span]
+    logits_idx = np.concatenate([(cu_seqlens_q[1:] - 1)[samples]] +  # the rows that sample, then the prompt's
+                                [cu_seqlens_q[i] - starts[i] + np.arange(span.start, span.stop) for i, span in spans])
     return Batch(input_ids, positions, kv.slot_mapping(block_tables, row, positions), cu_seqlens_q, starts + counts,
-                 block_tables, (cu_seqlens_q[1:] - 1)[samples]), [seq for seq, s in zip(seqs, samples) if s]
+                 block_tables, logits_idx.astype(np.int32)), [seq for seq, s in zip(seqs, samples) if s], \
+        [(seqs[i], span) for i, span in spans]
 
 
 class ModelRunner:
@@ -333,11 +339,13 @@ class ModelRunner:
             return self.eager(batch, seqs)
 
     def eager(self, batch, seqs):
-        """The step as it reads: op by op, then the sampler: (1, R) tokens, and the logits for logprobs."""
-        be = self.model.backend
-        logits = self.model.forward(batch, self.kv)  # (R, V)
-        wants_logits = any(s.logprobs is not None for s in seqs)
+        """The step as it reads: op by op, then the sampler: (1, R) tokens, and the logits for log-probs (the R rows
+        that sample, then the prompt log-probs' rows)."""
+        be, R = self.model.backend, len(seqs)
+        logits = self.model.forward(batch, self.kv)  # (R + prompt rows, V)
+        wants_logits = len(logits) > R or any(s.logprobs is not None for s in seqs)
         host_logits = be.tohost(logits) if wants_logits else None  # log-probabilities are the model's own
+        logits = logits[:R]
         edits = penalties(seqs)
         if edits is not None:
             logits = be.penalize(logits, edits)
@@ -403,7 +411,7 @@ class Request:
                                     s.stop_reason)
         return RequestOutput(self.request_id, self.prompt, self.seqs[0].prompt_token_ids,
                              [completion(s) for s in self.seqs], self.finished,
-                             next((s.error for s in self.seqs if s.error), None))
+                             next((s.error for s in self.seqs if s.error), None), self.seqs[0].prompt_logprobs)
 
 
 class LLM:
@@ -501,12 +509,13 @@ class LLM:
             saved.update((seq, seq.checkpoint()) for seq, _ in scheduled)
             events = []
             if scheduled:
-                batch, seqs = make_batch(scheduled, self.kv)  # one flat batch; the sequences whose last token it holds
+                batch, seqs, prompt_rows = make_batch(scheduled, self.kv)  # one flat batch; who samples; prompt logprobs
                 # (steps, R) new tokens; (R, V) logits for logprobs. A graph run launches the next one before its
                 # tokens are read, unless a request waits to come in (the next step admits it, eagerly)
                 tokens, logits = self.runner.run(batch, seqs, launch_next=not self.scheduler.wants_admission())
                 for seq, n in scheduled:
                     seq.num_computed += n  # their K/V are in the cache now
+                self._add_prompt_logprobs(prompt_rows, logits, len(seqs))
                 events = self._postprocess(seqs, tokens, logits)
         except BaseException as e:
             self._undo(saved)
@@ -534,6 +543,13 @@ class LLM:
         message = f"the engine step running this request failed: {type(error).__name__}: {error}"
         return self._events([ended for seq in saved
                              for ended in self._requests[seq.request_id].finish("error", message, self.scheduler, seq)])
+
+    def _add_prompt_logprobs(self, prompt_rows, logits, row):
+        for seq, span in prompt_rows:  # position p's logits (rows after the samplers') score prompt token p + 1
+            for p in span:
+                seq.prompt_logprobs.append(logprobs_of(logits[row], seq.prompt_token_ids[p + 1],
+                                                       seq.params.prompt_logprobs, self.tokenizer))
+                row += 1
 
     def _postprocess(self, seqs, tokens, logits):
         """Hand each sequence its tokens until one finishes it (the rest dropped, blocks freed): an event each."""
@@ -650,8 +666,8 @@ def logprobs_of(logits_row, token, k, tokenizer):
     penalties, temperature, top-k and top-p), ranks counted from 1."""
     logp = logits_row.astype(np.float64) - logits_row.max()
     logp -= np.log(np.exp(logp).sum())
-    order = np.argsort(-logp, kind="stable")
-    ranks = {int(t): r + 1 for r, t in enumerate(order[:k])}
+    ties = np.flatnonzero(logp >= np.partition(logp, -k)[-k]) if k else np.zeros(0, int)  # the k largest, and ties
+    ranks = {int(t): r + 1 for r, t in enumerate(ties[np.argsort(-logp[ties], kind="stable")][:k])}
     ranks.setdefault(token, int((logp > logp[token]).sum()) + 1)
     return {t: Logprob(float(logp[t]), r, tokenizer.decode([t])) for t, r in ranks.items()}
 

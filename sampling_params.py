@@ -25,6 +25,7 @@ class SamplingParams:
     presence_penalty: float = 0.0  # subtracted from the logit of each token already in the output
     frequency_penalty: float = 0.0  # subtracted once per time a token is already in the output
     logprobs: int = None  # k: the chosen token's log-probability and the k most likely, at every token
+    prompt_logprobs: int = None  # k: each prompt token's log-probability given those before, and the k most likely
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -56,7 +57,9 @@ class SamplingParams:
             ("frequency_penalty", self.frequency_penalty,
              is_number(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2, "a number in [-2, 2]"),
             ("logprobs", self.logprobs, self.logprobs is None or is_int(self.logprobs, 0, 20),
-             "None or an integer in [0, 20]")))
+             "None or an integer in [0, 20]"),
+            ("prompt_logprobs", self.prompt_logprobs, self.prompt_logprobs is None or
+             is_int(self.prompt_logprobs, 0, 20), "None or an integer in [0, 20]")))
 
 
 @dataclass
@@ -85,6 +88,7 @@ class RequestOutput:  # as vLLM's, and `error`: why a request failed or was refu
     outputs: list  # a CompletionOutput per sample (SamplingParams.n)
     finished: bool = True
     error: str = None
+    prompt_logprobs: list = None  # with prompt_logprobs=k: None for the first prompt token, then as logprobs
 
     @classmethod
     def refused(cls, prompt, error):

@@ -32,6 +32,8 @@ class Sequence:
         self.stop_reason = None  # the stop string or stop token id that ended it
         self.error = None  # why, when finish_reason is 'error'
         self.logprobs = [] if params.logprobs is not None else None
+        # the first sample computes the prompt's log-probs (the others share its KV): None for its first token
+        self.prompt_logprobs = [None] if params.prompt_logprobs is not None and index == 0 else None
         self.text = ""
         self.num_streamed = 0  # characters of text already handed out by stream()
         self._tokenizer = tokenizer
@@ -63,6 +65,14 @@ class Sequence:
             self.finish("stop", stop_reason=stop_string or (token if token in p.stop_token_ids else None))
         elif self.num_output >= p.max_tokens or len(self.token_ids) >= n_ctx:
             self.finish("length")
+
+    def prompt_logprob_span(self, n):
+        """The positions, of the n this step computes, whose next token is a prompt token not yet given a log-prob:
+        range(a, b); empty unless it wants prompt log-probs (a preempted one recomputes them, and skips those)."""
+        if self.prompt_logprobs is None:
+            return range(0)
+        return range(max(self.num_computed, len(self.prompt_logprobs) - 1),
+                     min(self.num_computed + n, len(self.prompt_token_ids) - 1))
 
     def banned_tokens(self):
         """The tokens it may not sample now: its stop tokens (EOS too, unless ignored) until min_tokens are out."""
@@ -96,14 +106,17 @@ class Sequence:
     def checkpoint(self):
         """Everything a step changes in a sequence, to undo the step if it fails midway (see LLM._undo)."""
         return (len(self.token_ids), self.num_computed, self.finish_reason, self.stop_reason, self.error, self.text,
-                self.num_streamed, None if self.logprobs is None else len(self.logprobs), self._utf8.getstate())
+                self.num_streamed, None if self.logprobs is None else len(self.logprobs),
+                None if self.prompt_logprobs is None else len(self.prompt_logprobs), self._utf8.getstate())
 
     def restore(self, state):
         n, self.num_computed, self.finish_reason, self.stop_reason, self.error, self.text, self.num_streamed, \
-            n_logprobs, utf8 = state
+            n_logprobs, n_prompt_logprobs, utf8 = state
         del self.token_ids[n:]
         if n_logprobs is not None:
             del self.logprobs[n_logprobs:]
+        if n_prompt_logprobs is not None:
+            del self.prompt_logprobs[n_prompt_logprobs:]
         self._utf8.setstate(utf8)
 
     def new_text(self):

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st, target
 
 import cuda_backend
 import nanoinfer as ni
-from conftest import EXACT_DEVICES, SAMPLED, check_kv, greedy, make_llm, random_ids, solo
+from conftest import EXACT_DEVICES, SAMPLED, check_kv, greedy, make_llm, random_ids, solo, solo_prompt_logprobs
 from nanoinfer import SamplingParams
 from paged_kv import BlockAllocator, PagedKVCache
 from scheduler import Sequence
@@ -94,14 +94,16 @@ STRESS_EXAMPLES = int(os.environ.get("NANOINFER_STRESS_EXAMPLES", 20))  # raised
        slack=st.sampled_from([0, 0, 1, 16, 64]), max_batched=st.sampled_from([3, 8, 32, 2048]),
        max_seqs=st.sampled_from([1, 2, 256]))
 def test_stress_every_request_gets_its_solo_output(tiny, dev, reqs, block_size, slack, max_batched, max_seqs):
-    """Random requests (greedy or seeded sampling) arriving while others run, some aborted at a random step, on
-    random pools (down to the smallest that fits the largest request), block sizes and budgets: every request
-    finishes with its solo output (an aborted one: a prefix of it), the allocator invariants hold after every step,
-    and no block leaks."""
+    """Random requests (greedy or seeded sampling, a quarter with prompt log-probs) arriving while others run, some
+    aborted at a random step, on random pools (down to the smallest that fits the largest request), block sizes and
+    budgets: every request finishes with its solo output (an aborted one: a prefix of it) and its prompt log-probs
+    (each prompt token's once, within 1e-4 of solo's), the allocator invariants hold after every step, and no block
+    leaks."""
     work = []
     for length, max_tokens, arrival, sampled, seed, abort, n in reqs:
-        params = SamplingParams(seed=seed, n=n, **{**SAMPLED, "max_tokens": max_tokens}) if sampled else \
-            greedy(max_tokens, n=n)
+        extra = dict(n=n, prompt_logprobs=1 if seed % 4 == 0 else None)
+        params = SamplingParams(seed=seed, **extra, **{**SAMPLED, "max_tokens": max_tokens}) if sampled else \
+            greedy(max_tokens, **extra)
         work.append((arrival, random_ids(length, seed), params, abort))
     biggest = max(-(-(len(p) + q.max_tokens) // block_size) for _, p, q, _ in work) * block_size
     llm = make_llm(tiny, dev, block_size=block_size, num_kv_tokens=biggest + slack,
@@ -130,5 +132,9 @@ def test_stress_every_request_gets_its_solo_output(tiny, dev, reqs, block_size, 
                 assert sample.token_ids == w[:len(sample.token_ids)]
             else:
                 assert sample.token_ids == w and sample.finish_reason == "length"
+        if params.prompt_logprobs is not None and done[rid].outputs[0].finish_reason != "abort":
+            got, want = done[rid].prompt_logprobs, solo_prompt_logprobs(tiny, dev, prompt)
+            assert len(got) == len(prompt) and got[0] is None
+            assert all(abs(g[t].logprob - w[t].logprob) < 1e-4 for g, w, t in zip(got[1:], want[1:], prompt[1:]))
     assert llm.kv.allocator.num_free() == llm.kv.num_blocks
     target(float(llm.scheduler.num_preemptions), label="preemptions")  # steer the search toward pressure

@@ -211,6 +211,38 @@ def test_logprobs_match_transformers(tiny, dev, greedy_cases):
     assert sample.cumulative_logprob == sum(lp[t].logprob for lp, t in zip(sample.logprobs, sample.token_ids))
 
 
+@pytest.mark.parametrize("how", ["whole", "chunked", "preempted", "n=2"])
+def test_prompt_logprobs_match_transformers(tiny, dev, greedy_cases, how):
+    """prompt_logprobs=3, vLLM's shape: None for the first prompt token, then per prompt token {token id: Logprob} for
+    it and the 3 most likely given the tokens before, log_softmax of transformers' logits (error bound: 2 * TOL *
+    max|logit|), once each, whether the prompt is prefilled at once, in chunks of 7 tokens, recomputed after a
+    preemption, or shared by 2 samples (the first computes them); the generated tokens are unchanged."""
+    prompts = [ids for _, ids, _ in greedy_cases[:4]]
+    kw = dict(chunked=dict(max_num_batched_tokens=7), preempted=dict(num_kv_tokens=80, block_size=16)).get(how, {})
+    llm = make_llm(tiny, dev, **kw)
+    params = greedy(12, prompt_logprobs=3, n=2 if how == "n=2" else 1)
+    outs = llm.generate(prompts * (3 if how == "preempted" else 1), params)
+    if how == "preempted":
+        assert llm.scheduler.num_preemptions > 0, "the tiny pool did not force a preemption"
+    for out in outs:
+        ids = out.prompt_token_ids
+        ref = hf_logits(tiny, ids)
+        ref_lp = torch.log_softmax(torch.tensor(ref), -1).numpy()
+        assert len(out.prompt_logprobs) == len(ids) and out.prompt_logprobs[0] is None
+        for p, lp in enumerate(out.prompt_logprobs[1:]):
+            tok, row, row_lp = ids[p + 1], ref[p], ref_lp[p]
+            tol = 2 * dev.tol * np.abs(row).max()
+            assert tok in lp and abs(lp[tok].logprob - row_lp[tok]) < tol
+            assert abs(np.sort(row_lp)[::-1][lp[tok].rank - 1] - row_lp[tok]) < tol  # its rank, up to near ties
+            top = sorted((x for t, x in lp.items() if x.rank <= 3), key=lambda x: x.rank)
+            assert [x.rank for x in top] == [1, 2, 3] and np.allclose(
+                [x.logprob for x in top], np.sort(row_lp)[::-1][:3], atol=tol, rtol=0)
+            assert all(x.decoded_token == llm.tokenizer.decode([t]) for t, x in lp.items())
+        for c in out.outputs:
+            assert c.token_ids == next(new for _, i, new in greedy_cases if i == ids)[:12]
+    assert llm.kv.allocator.num_free() == llm.kv.num_blocks
+
+
 def test_stream_matches_generate(tiny, dev, greedy_cases):
     """llm.stream's deltas, per prompt, concatenate to generate()'s text; each finishes exactly once, last."""
     prompts = [p for p, _, _ in greedy_cases[:3]]
