@@ -289,11 +289,14 @@ def solo_prompt_logprobs(ckpt, dev, prompt):
 # -----------------------------------------------------------------------------
 # inputs that tests of two layers share
 
+LOGIT_BIAS = {5: 2.5, 17: -100.0, 299: 1.5, 40000: 100.0}  # penalty_case's second row: some tokens seen, some not
+
+
 def penalty_case(tok, R=3, V=50257, seed=0):
     """Random logits (R, V) and sequences with random histories, each with its own penalties."""
     rng = np.random.default_rng(seed)
     params = [SamplingParams(repetition_penalty=1.3, max_tokens=64), SamplingParams(presence_penalty=0.7,
-              frequency_penalty=-0.4, max_tokens=64), SamplingParams(repetition_penalty=0.8, presence_penalty=-1.5,
+              frequency_penalty=-0.4, max_tokens=64, logit_bias=LOGIT_BIAS), SamplingParams(repetition_penalty=0.8, presence_penalty=-1.5,
               frequency_penalty=1.1, min_tokens=40, stop_token_ids=[7, 11], max_tokens=64)][:R]
     seqs = []
     for i, p in enumerate(params):

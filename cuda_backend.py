@@ -449,7 +449,7 @@ class CudaBackend:
         if E:
             self.launch("penalize", (-(-E // 256),), (256,), (logits, np.int32(logits.shape[1]), *(
                 cp.asarray(a) for a in (e.rows, e.ids, e.output_counts, e.banned)), np.int32(E), *(
-                cp.asarray(a) for a in (e.repetition, e.presence, e.frequency))))
+                cp.asarray(a) for a in (e.repetition, e.presence, e.frequency, e.bias))))
         return logits
 
     def sample_device(self, logits, temperature, top_k, top_p, seed, token_index, min_p):

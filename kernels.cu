@@ -927,15 +927,16 @@ extern "C" __global__ void __launch_bounds__(128) attention_prefill(
 }
 
 // 10. penalize: NumpyBackend.penalize, a thread per (row, token) entry, each pair listed once (no two threads write
-// one logit). Only the logits of tokens a sequence has seen change: ~48 bytes per entry.
+// one logit). Only the logits of tokens a sequence has seen or biases change: ~56 bytes per entry.
 extern "C" __global__ void penalize(float* logits, int V, const int* rows, const int* ids, const int* output_counts,
-    const bool* banned, int E, const float* repetition, const float* presence, const float* frequency) {
+    const bool* banned, int E, const float* repetition, const float* presence, const float* frequency,
+    const float* bias) {
     const int e = blockIdx.x * blockDim.x + threadIdx.x;
     if (e >= E) return;
     const int row = rows[e], n = output_counts[e];
     float* x = logits + (long)row * V + ids[e];
-    const float r = repetition[row], v = *x > 0.f ? *x / r : *x * r;
-    *x = banned[e] ? NEG_INF : v - frequency[row] * n - (n > 0 ? presence[row] : 0.f);
+    const float r = repetition[e], v = *x > 0.f ? *x / r : *x * r;
+    *x = banned[e] ? NEG_INF : v - frequency[row] * n - (n > 0 ? presence[row] : 0.f) + bias[e];
 }
 
 // 11. sample: one token per row (nanoinfer.sample_row). Greedy: the row's first argmax. Otherwise the exponential

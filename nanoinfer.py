@@ -170,10 +170,11 @@ class NumpyBackend:
     def penalize(self, logits, e):
         """The logits processors, before sampling: for each (row, token) of e (a Penalties), the repetition penalty
         (a positive logit divided by it, a negative one multiplied), then the presence and frequency penalties
-        (subtracted, the second once per time the token is in the output); a token banned gets -inf."""
+        (subtracted, the second once per time the token is in the output), then the logit bias (added); a token
+        banned gets -inf."""
         logits = logits.copy()
-        x, r, n = logits[e.rows, e.ids], e.repetition[e.rows], e.output_counts
-        x = np.where(x > 0, x / r, x * r) - e.frequency[e.rows] * n - e.presence[e.rows] * (n > 0)
+        x, r, n = logits[e.rows, e.ids], e.repetition, e.output_counts
+        x = np.where(x > 0, x / r, x * r) - e.frequency[e.rows] * n - e.presence[e.rows] * (n > 0) + e.bias
         logits[e.rows, e.ids] = np.where(e.banned, -np.inf, x)
         return logits
 
@@ -267,25 +268,28 @@ def sampling_arrays(seqs):
                           np.array([p.min_p for p in params], np.float32))
 
 
-# the logits a step changes before sampling, one entry per (row, token): for each row, every token it has seen (the
-# repetition penalty's), how often each is in its output (presence, frequency), and the ones banned until min_tokens
-Penalties = namedtuple("Penalties", "rows ids output_counts banned repetition presence frequency")
+# the logits a step changes before sampling, one entry per (row, token): for each row, every token it has seen (with
+# its repetition penalty), how often each is in its output (presence, frequency), its logit bias, and the ones banned
+# until min_tokens
+Penalties = namedtuple("Penalties", "rows ids output_counts banned repetition presence frequency bias")
 
 
 def penalties(seqs):
     """The Penalties of the rows that sample (seqs), or None when none edits its logits."""
     if not any(s.edits_logits for s in seqs):
         return None
-    entries = []  # (row, token, times in the output, banned)
+    entries = []  # (row, token, times in the output, banned, repetition penalty, bias)
     for row, s in enumerate(seqs):
-        p, ban = s.params, s.banned_tokens()
+        p, ban, bias = s.params, s.banned_tokens(), s.params.logit_bias or {}
         in_output = Counter(s.output_token_ids) if p.presence_penalty or p.frequency_penalty else {}
         seen = set(s.token_ids) if p.repetition_penalty != 1 else set(in_output)
-        entries += [(row, token, in_output.get(token, 0), token in ban) for token in sorted(seen | ban)]
-    rows, ids, counts, banned = np.array(entries, np.int32).reshape(-1, 4).T.copy()  # (4, E): each row contiguous
+        entries += [(row, t, in_output.get(t, 0), t in ban, p.repetition_penalty if t in seen else 1, bias.get(t, 0))
+                    for t in sorted(seen | ban | set(bias))]
+    rows, ids, counts, banned = np.array([e[:4] for e in entries], np.int32).reshape(-1, 4).T.copy()  # (4, E)
+    repetition, bias = np.array([e[4:] for e in entries], np.float32).reshape(-1, 2).T.copy()
     per_row = lambda name: np.array([getattr(s.params, name) for s in seqs], np.float32)
-    return Penalties(rows, ids, counts, banned.astype(bool), per_row("repetition_penalty"),
-                     per_row("presence_penalty"), per_row("frequency_penalty"))
+    return Penalties(rows, ids, counts, banned.astype(bool), repetition, per_row("presence_penalty"),
+                     per_row("frequency_penalty"), bias)
 
 
 def make_batch(scheduled, kv):
@@ -677,6 +681,8 @@ def refuse_request(ids, params, n_ctx, n_vocab, kv):
     that leaves no room to generate, or more KV cache than the whole pool holds."""
     if any(t >= n_vocab for t in params.stop_token_ids):
         raise ValueError(f"SamplingParams.stop_token_ids={params.stop_token_ids}: token ids are < {n_vocab}")
+    if any(t >= n_vocab for t in params.logit_bias or {}):
+        raise ValueError(f"SamplingParams.logit_bias has token ids past the vocabulary: they are < {n_vocab}")
     if len(ids) >= n_ctx:
         raise ValueError(f"the prompt is {len(ids)} tokens, and this model's context is {n_ctx} tokens with at least "
                          f"one to generate: shorten the prompt to at most {n_ctx - 1} tokens")

@@ -26,6 +26,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # subtracted once per time a token is already in the output
     logprobs: int = None  # k: the chosen token's log-probability and the k most likely, at every token
     prompt_logprobs: int = None  # k: each prompt token's log-probability given those before, and the k most likely
+    logit_bias: dict = None  # {token id: bias in [-100, 100]} added to its logit (after the penalties), as OpenAI's
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -59,7 +60,10 @@ class SamplingParams:
             ("logprobs", self.logprobs, self.logprobs is None or is_int(self.logprobs, 0, 20),
              "None or an integer in [0, 20]"),
             ("prompt_logprobs", self.prompt_logprobs, self.prompt_logprobs is None or
-             is_int(self.prompt_logprobs, 0, 20), "None or an integer in [0, 20]")))
+             is_int(self.prompt_logprobs, 0, 20), "None or an integer in [0, 20]"),
+            ("logit_bias", self.logit_bias, self.logit_bias is None or isinstance(self.logit_bias, dict) and all(
+                is_int(t, 0) and is_number(b) and -100 <= b <= 100 for t, b in self.logit_bias.items()),
+             "None or a dict {token id: bias in [-100, 100]}")))
 
 
 @dataclass

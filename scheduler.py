@@ -83,10 +83,10 @@ class Sequence:
 
     @property
     def edits_logits(self):
-        """Whether its logits change before sampling: penalties, or tokens banned until min_tokens."""
+        """Whether its logits change before sampling: penalties, a logit bias, or tokens banned until min_tokens."""
         p = self.params
         return p.repetition_penalty != 1 or p.presence_penalty != 0 or p.frequency_penalty != 0 or \
-            self.num_output < p.min_tokens
+            bool(p.logit_bias) or self.num_output < p.min_tokens
 
     def finish(self, reason, error=None, stop_reason=None):
         self.finish_reason, self.error, self.stop_reason = reason, error, stop_reason

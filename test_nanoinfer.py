@@ -395,6 +395,20 @@ def test_repetition_penalty_greedy_matches_transformers(tiny, dev, greedy_cases)
     assert changed, "the penalty changed no output: the test shows nothing"
 
 
+def test_logit_bias(tiny, dev, greedy_cases):
+    """logit_bias (OpenAI's): +100 on a token makes greedy pick it every step, -100 on each greedy token the reference
+    picks moves greedy off it; a request beside them without a bias gives its reference tokens; a token id past the
+    vocabulary is refused, naming the field."""
+    _, ids, ref = greedy_cases[0]
+    llm = make_llm(tiny, dev)
+    outs = llm.generate([ids] * 3, [greedy(6, logit_bias={40000: 100}), greedy(6, logit_bias={ref[0]: -100}),
+                                    greedy(6)])
+    assert outs[0].outputs[0].token_ids == [40000] * 6 and outs[1].outputs[0].token_ids[0] != ref[0]
+    assert outs[2].outputs[0].token_ids == ref[:6]
+    with pytest.raises(ValueError, match="logit_bias"):
+        llm.add_request(ids, greedy(2, logit_bias={60000: 1}))
+
+
 def test_eos_finishes_unless_ignored(tiny):
     """<|endoftext|> ends a request with 'stop' (and adds no text), unless ignore_eos."""
     tok = make_llm(tiny, CPU, num_kv_tokens=128).tokenizer

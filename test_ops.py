@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 import nanoinfer as ni
-from conftest import CPU, EOT, heads, make_batch, make_llm, penalty_case, rel_err
+from conftest import CPU, EOT, LOGIT_BIAS, heads, make_batch, make_llm, penalty_case, rel_err
 from nanoinfer import NumpyBackend
 
 SAME_FORMULA = 1e-12  # float64, both sides computing the same expression element by element
@@ -208,12 +208,14 @@ def test_attention(seed, case, batch_invariant):
 # penalize, and the sampler's definition where torch has the same op
 
 def test_penalties_match_transformers(tiny, seed):
-    """The numpy logits pass against transformers' RepetitionPenaltyLogitsProcessor (prompt and output) and
-    MinNewTokensLengthLogitsProcessor (the stop tokens and EOS banned before min_tokens), and against vLLM's
-    definition of the presence and frequency penalties (output tokens only), one row each: on penalty_case's fp32
+    """The numpy logits pass against transformers' RepetitionPenaltyLogitsProcessor (prompt and output),
+    MinNewTokensLengthLogitsProcessor (the stop tokens and EOS banned before min_tokens) and SequenceBiasLogitsProcessor
+    (OpenAI's logit_bias: one-token sequences), and against vLLM's definition of the presence and frequency penalties
+    (output tokens only), one row each: on penalty_case's fp32
     logits (rtol 1e-6); then in float64 on fresh logits and histories, with the penalties as the op holds them
     (float32), within 1e-12 of max|ref| and the same tokens banned."""
-    from transformers import MinNewTokensLengthLogitsProcessor, RepetitionPenaltyLogitsProcessor
+    from transformers import (MinNewTokensLengthLogitsProcessor, RepetitionPenaltyLogitsProcessor,
+                              SequenceBiasLogitsProcessor)
     tok = make_llm(tiny, CPU).tokenizer
     logits, seqs = penalty_case(tok)
     ours = NumpyBackend().penalize(logits, ni.penalties(seqs))
@@ -221,7 +223,8 @@ def test_penalties_match_transformers(tiny, seed):
     want = [hf(RepetitionPenaltyLogitsProcessor(1.3), seqs[0], logits[0])]
     row, s = logits[1].copy(), seqs[1]
     out = np.bincount(s.output_token_ids, minlength=row.size)
-    want.append(row - 0.7 * (out > 0) - (-0.4) * out)
+    bias = SequenceBiasLogitsProcessor([[[t], b] for t, b in LOGIT_BIAS.items()])
+    want.append(hf(bias, s, (row - 0.7 * (out > 0) - (-0.4) * out).astype(np.float32)))
     row, s = hf(RepetitionPenaltyLogitsProcessor(0.8), seqs[2], logits[2]), seqs[2]
     out = np.bincount(s.output_token_ids, minlength=row.size)
     row = row - (-1.5) * (out > 0) - 1.1 * out
@@ -235,7 +238,9 @@ def test_penalties_match_transformers(tiny, seed):
     ours = NumpyBackend(np.float64).penalize(logits, ni.penalties(seqs))
     want = [hf(RepetitionPenaltyLogitsProcessor(f32(1.3)), seqs[0], logits[0])]
     out = np.bincount(seqs[1].output_token_ids, minlength=logits.shape[1])
-    want.append(logits[1] - f32(0.7) * (out > 0) - f32(-0.4) * out)
+    biased = np.zeros(logits.shape[1])
+    biased[list(LOGIT_BIAS)] = [f32(b) for b in LOGIT_BIAS.values()]
+    want.append(logits[1] - f32(0.7) * (out > 0) - f32(-0.4) * out + biased)
     row = hf(RepetitionPenaltyLogitsProcessor(f32(0.8)), seqs[2], logits[2])
     out = np.bincount(seqs[2].output_token_ids, minlength=logits.shape[1])
     want.append(hf(MinNewTokensLengthLogitsProcessor(20, 60, [7, 11, EOT]), seqs[2],
