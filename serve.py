@@ -1,8 +1,12 @@
-"""An OpenAI-compatible HTTP server: `python serve.py --model gpt2` serves, on 127.0.0.1:8000,
-  POST /v1/completions   OpenAI's completions, whole or streamed as server-sent events (vLLM's wire format)
-  GET  /v1/models        the one model served
-  GET  /health           200 while the engine runs
-  GET  /metrics          KV blocks free and in all, requests running and waiting (Prometheus text)
+"""An OpenAI-compatible HTTP server, vLLM's routes and wire format: `python serve.py --model gpt2` serves on
+127.0.0.1:8000 (`--model random:gpt2` needs no network).
+
+  POST /v1/completions        completions, whole or streamed (server-sent events); echo with prompt log-probs
+  POST /v1/chat/completions   chat: the messages rendered by a chat template (--chat-template, the model's own, or
+                              the plain default below), then a completion; whole or streamed
+  GET  /v1/models[/{id}]      the one model served
+  POST /tokenize, /detokenize vLLM's: a prompt's token ids, and back
+  GET  /health, /metrics      200 while the engine runs; KV blocks and requests (Prometheus text)
 
 One thread owns the engine and steps it while any request is unfinished; each HTTP request adds its prompts with
 add_request and reads their events from its own queue. So requests from many sockets join one running batch, as
@@ -10,8 +14,12 @@ continuous batching means to; a client that goes away aborts its requests, and t
 """
 import argparse
 import asyncio
+import hmac
 import json
 import re
+import signal
+import socket
+import sys
 import threading
 import time
 import uuid
@@ -19,7 +27,9 @@ from collections import Counter
 
 import uvicorn
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from nanoinfer import LLM, SamplingParams, log
 
@@ -27,7 +37,9 @@ from nanoinfer import LLM, SamplingParams, log
 SAMPLING_FIELDS = ("n", "max_tokens", "temperature", "top_p", "stop", "seed", "presence_penalty",
                    "frequency_penalty", "logprobs", "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos",
                    "stop_token_ids", "include_stop_str_in_output")
-UNSUPPORTED = {"echo": False, "suffix": None, "best_of": None, "logit_bias": None}  # allowed only with these values
+# GPT-2 has no chat template: each message on its own lines as "role: content", then "assistant:" to answer
+DEFAULT_CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n\n{% endfor %}"
+                         "{% if add_generation_prompt %}assistant:{% endif %}")
 
 
 class BadRequest(Exception):
@@ -112,65 +124,241 @@ class Outbox:
 
 
 def error_response(message, param=None, status=400):
-    kind = {400: "invalid_request_error", 404: "not_found_error"}.get(status, "server_error")
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}}, status)
+    kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error"}.get(
+        status, "server_error")
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}}, status)
 
 
-def parse_completion(body, model_name):
-    """(prompts, SamplingParams, stream) from a completions request body, or BadRequest saying what is wrong."""
+# -----------------------------------------------------------------------------
+# requests: what a body asks for, as prompts and SamplingParams
+
+class Asked:
+    """One request's parsed body: its prompts (token id lists), SamplingParams, and how to answer."""
+    def __init__(self, prompts, params, stream=False, echo=False, drop_output=False, include_usage=False, k=None):
+        self.prompts, self.params, self.stream, self.echo = prompts, params, stream, echo
+        self.drop_output = drop_output  # max_tokens 0 (with echo): one token runs, none is returned
+        self.include_usage, self.k = include_usage, k  # stream_options.include_usage; log-probs asked for, or None
+
+
+def check_common(body, model_name):
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     if body.get("model", model_name) != model_name:
         raise BadRequest(f"the model `{body['model']}` does not exist; this server serves `{model_name}`", "model", 404)
-    for field, allowed in UNSUPPORTED.items():
-        if body.get(field, allowed) not in (allowed, None):
-            raise BadRequest(f"`{field}` is not supported by this server", field)
-    prompt = body.get("prompt")
-    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)):
-        prompts = [prompt]
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        prompts = prompt
-    else:
-        raise BadRequest("`prompt` must be a string, a list of strings, a list of token ids, or a list of those",
-                         "prompt")
-    kw = {k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None}
-    kw.setdefault("max_tokens", 16)  # OpenAI's default
+    if body.get("suffix") is not None:
+        raise BadRequest("`suffix` is not supported by this server (nor by vLLM)", "suffix")
+    for flag in ("stream", "echo"):
+        if not isinstance(body.get(flag, False), bool):
+            raise BadRequest(f"`{flag}` must be true or false", flag)
+    options = body.get("stream_options")
+    if options is not None and not (isinstance(options, dict) and body.get("stream")):
+        raise BadRequest("`stream_options` is an object, and only with `stream`: true", "stream_options")
+    return bool((options or {}).get("include_usage"))
+
+
+def sampling_params(kw, body, prompts, n_ctx):
+    """SamplingParams from the fields in kw, with logit_bias and best_of checked; max_tokens past the context is
+    refused as vLLM refuses it, naming both lengths."""
+    n = kw.get("n", 1)
+    if body.get("best_of") not in (None, n):
+        raise BadRequest(f"`best_of` ({body['best_of']}) must equal `n` ({n}): the best of more samples than are "
+                         "returned is not supported", "best_of")
+    bias = body.get("logit_bias")
+    if bias:
+        try:
+            kw["logit_bias"] = {int(t): b for t, b in bias.items()}
+        except (AttributeError, ValueError):
+            raise BadRequest("`logit_bias` maps token ids (as strings) to biases in [-100, 100]", "logit_bias") from None
+    longest = max(len(p) for p in prompts)
+    if longest + kw["max_tokens"] > n_ctx:
+        raise BadRequest(f"This model's maximum context length is {n_ctx} tokens. However, you requested "
+                         f"{longest + kw['max_tokens']} tokens ({longest} in the prompt, {kw['max_tokens']} in the "
+                         "completion). Please reduce the length of the prompt or of max_tokens.", "max_tokens")
     try:
-        params = SamplingParams(**kw)
+        return SamplingParams(**kw)
     except ValueError as e:  # "SamplingParams.<field>=<value>: must be ..."
         raise BadRequest(str(e), (re.match(r"SamplingParams\.(\w+)", str(e)) or [None, None])[1]) from None
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise BadRequest("`stream` must be true or false", "stream")
-    if stream and params.logprobs is not None:
+
+
+def prompt_ids(llm, prompt, field="prompt"):
+    try:
+        return llm.tokenizer.prompt_ids(prompt)
+    except ValueError:
+        raise BadRequest(f"`{field}` must be a string, a list of token ids in [0, {llm.tokenizer.n_vocab}), or a "
+                         "list of those", field) from None
+
+
+def parse_completion(body, model_name, llm):
+    """An Asked from a completions body, or BadRequest saying what is wrong."""
+    include_usage = check_common(body, model_name)
+    prompt = body.get("prompt")
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)):
+        prompt = [prompt]
+    if not (isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt)):
+        raise BadRequest("`prompt` must be a string, a list of strings, a list of token ids, or a list of those",
+                         "prompt")
+    prompts = [prompt_ids(llm, p) for p in prompt]
+    kw = {k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None}
+    kw.setdefault("max_tokens", 16)  # OpenAI's default
+    echo, drop = body.get("echo", False), kw["max_tokens"] == 0 and body.get("echo", False)
+    if drop:  # lm-eval's scoring requests: the prompt's log-probs alone; one token runs and is dropped
+        kw["max_tokens"] = 1
+    if echo and kw.get("logprobs") is not None:
+        kw["prompt_logprobs"] = kw["logprobs"]
+    params = sampling_params(kw, body, prompts, llm.config.n_ctx)
+    if body.get("stream") and params.logprobs is not None:
         raise BadRequest("`logprobs` is supported without `stream` only, for now", "logprobs")
-    return prompts, params, stream
+    return Asked(prompts, params, body.get("stream", False), echo, drop, include_usage, params.logprobs)
 
 
-def openai_logprobs(sample, k):
-    """A CompletionOutput's logprobs in OpenAI's completions shape."""
-    tokens, offsets, offset = [], [], 0
-    for lp, token in zip(sample.logprobs, sample.token_ids):
-        tokens.append(lp[token].decoded_token)
-        offsets.append(offset)
-        offset += len(tokens[-1])
-    return {"tokens": tokens, "token_logprobs": [lp[t].logprob for lp, t in zip(sample.logprobs, sample.token_ids)],
-            "top_logprobs": [{x.decoded_token: x.logprob for x in lp.values() if x.rank <= k}
-                             for lp in sample.logprobs],
-            "text_offset": offsets}
+def message_text(content):
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+        return "".join(str(p.get("text", "")) for p in content)
+    raise BadRequest("a message's `content` is a string or a list of text parts", "messages")
 
 
-def make_app(llm, model_name):
+def parse_chat(body, model_name, llm, template):
+    """An Asked from a chat completions body: the messages rendered by the chat template into one prompt."""
+    include_usage = check_common(body, model_name)
+    messages = body.get("messages")
+    if not (isinstance(messages, list) and messages and all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                                            for m in messages)):
+        raise BadRequest("`messages` must be a non-empty list of {\"role\": ..., \"content\": ...}", "messages")
+    if body.get("tools") or body.get("functions"):
+        raise BadRequest("tools and functions are not supported by this server", "tools")
+    messages = [{**m, "content": message_text(m.get("content", ""))} for m in messages]
+    text = template.render(messages=messages, add_generation_prompt=body.get("add_generation_prompt", True),
+                           bos_token="<|endoftext|>", eos_token="<|endoftext|>")
+    prompts = [prompt_ids(llm, text)]
+    kw = {k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None and k != "logprobs"}
+    kw["max_tokens"] = body.get("max_completion_tokens") or body.get("max_tokens") or \
+        llm.config.n_ctx - len(prompts[0])  # vLLM's default: the rest of the context
+    if body.get("logprobs"):
+        kw["logprobs"] = body.get("top_logprobs") or 0
+    params = sampling_params(kw, body, prompts, llm.config.n_ctx)
+    if body.get("stream") and params.logprobs is not None:
+        raise BadRequest("`logprobs` is supported without `stream` only, for now", "logprobs")
+    return Asked(prompts, params, body.get("stream", False), include_usage=include_usage, k=params.logprobs)
+
+
+def load_chat_template(path, model_dir):
+    """The Jinja chat template, as transformers' apply_chat_template runs it: the file given, else the model
+    directory's own (chat_template.jinja, or tokenizer_config.json's chat_template), else DEFAULT_CHAT_TEMPLATE."""
+    from pathlib import Path
+
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    source, model_dir = DEFAULT_CHAT_TEMPLATE, Path(model_dir)
+    if path:
+        source = Path(path).read_text()
+    elif (model_dir / "chat_template.jinja").is_file():
+        source = (model_dir / "chat_template.jinja").read_text()
+    elif (model_dir / "tokenizer_config.json").is_file():
+        source = json.loads((model_dir / "tokenizer_config.json").read_text()).get("chat_template") or source
+
+    def raise_exception(message):
+        raise BadRequest(f"the chat template refused the messages: {message}", "messages")
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    return env.from_string(source)
+
+
+# -----------------------------------------------------------------------------
+# answers: OpenAI's shapes
+
+def usage(outs, asked):
+    prompt = sum(len(o.prompt_token_ids) for o in outs)
+    completion = 0 if asked.drop_output else sum(len(c.token_ids) for o in outs for c in o.outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def completion_logprobs(tokenizer, entries, offset=0):
+    """OpenAI's completions log-probs for (token id, {token id: Logprob} or None) pairs: every entry's tokens (the
+    chosen one and the k most likely), text offsets counted from `offset`."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for token, lp in entries:
+        text = lp[token].decoded_token if lp else tokenizer.decode([token])
+        out["tokens"].append(text)
+        out["token_logprobs"].append(lp[token].logprob if lp else None)
+        out["top_logprobs"].append({x.decoded_token: x.logprob for x in lp.values()} if lp else None)
+        out["text_offset"].append(offset)
+        offset += len(text)
+    return out
+
+
+def completion_choice(llm, asked, index, out, sample):
+    text, token_ids, logprobs = sample.text, sample.token_ids, sample.logprobs
+    if asked.drop_output:
+        text, token_ids, logprobs = "", [], []
+    entries = list(zip(token_ids, logprobs or []))
+    prompt_text = llm.tokenizer.decode(out.prompt_token_ids) if asked.echo else ""
+    if asked.echo and asked.k is not None:
+        entries = list(zip(out.prompt_token_ids, out.prompt_logprobs)) + entries
+    return {"index": index, "text": prompt_text + text, "finish_reason": sample.finish_reason,
+            "logprobs": None if asked.k is None else completion_logprobs(llm.tokenizer, entries)}
+
+
+def chat_choice(llm, asked, index, out, sample):
+    def entry(x):
+        return {"token": x.decoded_token, "logprob": x.logprob, "bytes": list(x.decoded_token.encode())}
+    logprobs = None if asked.k is None else {"content": [
+        {**entry(lp[t]), "top_logprobs": [entry(x) for x in sorted(lp.values(), key=lambda x: x.rank)]}
+        for t, lp in zip(sample.token_ids, sample.logprobs)]}
+    return {"index": index, "message": {"role": "assistant", "content": sample.text}, "logprobs": logprobs,
+            "finish_reason": sample.finish_reason}
+
+
+# -----------------------------------------------------------------------------
+# the app
+
+class RequireKey:
+    """--api-key: every /v1 route answers 401 without `Authorization: Bearer <key>`, compared in constant time. A plain
+    ASGI middleware: Starlette's BaseHTTPMiddleware would hide a client's disconnect from the routes."""
+    def __init__(self, app, key):
+        self.app, self.key = app, key
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1") and \
+                not hmac.compare_digest(dict(scope["headers"]).get(b"authorization", b""), self.key):
+            response = error_response("a valid API key is needed: the header `Authorization: Bearer <key>`",
+                                      status=401)
+            return await response(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+def make_app(llm, model_name, chat_template=None, api_key=None):
     app, engine, created = FastAPI(title="nanoinfer"), EngineLoop(llm), int(time.time())
+    template = load_chat_template(chat_template, llm.model_dir)
+
+    @app.exception_handler(HTTPException)  # 404s and 405s in OpenAI's error shape, as every other error
+    async def http_error(request, e):
+        return error_response(f"{request.method} {request.url.path}: {e.detail}", status=e.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request, e):
+        return error_response(str(e))
+
+    if api_key:
+        app.add_middleware(RequireKey, key=f"Bearer {api_key}".encode())
 
     @app.get("/health")
     async def health():
         return Response(status_code=200)
 
+    model_card = {"id": model_name, "object": "model", "created": created, "owned_by": "nanoinfer",
+                  "max_model_len": llm.config.n_ctx}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                            "owned_by": "nanoinfer", "max_model_len": llm.config.n_ctx}]}
+        return {"object": "list", "data": [model_card]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != model_name:
+            return error_response(f"the model `{model_id}` does not exist; this server serves `{model_name}`",
+                                  "model", 404)
+        return model_card
 
     @app.get("/metrics")
     async def metrics():
@@ -184,25 +372,60 @@ def make_app(llm, model_name):
                                  "".join(f'nanoinfer_samples_finished{{reason="{reason}"}} {n}\n'
                                          for reason, n in finished))
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
+    async def body_of(request):
         try:
-            body = json.loads(await request.body())
+            return json.loads(await request.body())
         except ValueError:
-            return error_response("the request body is not valid JSON")
+            raise BadRequest("the request body is not valid JSON") from None
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
         try:
-            prompts, params, stream = parse_completion(body, model_name)
-            ids, queue = await engine.add(prompts, params)
+            body = await body_of(request)
+            check_common(body, model_name)
+            ids = prompt_ids(llm, body.get("prompt"))
+        except BadRequest as e:
+            return error_response(str(e), e.param, e.status)
+        return {"tokens": ids, "count": len(ids), "max_model_len": llm.config.n_ctx}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        try:
+            body = await body_of(request)
+            check_common(body, model_name)
+            ids = prompt_ids(llm, body.get("tokens"), "tokens")
+        except BadRequest as e:
+            return error_response(str(e), e.param, e.status)
+        return {"prompt": llm.tokenizer.decode(ids)}
+
+    async def serve(request, parse, kind, choice):
+        try:
+            asked = parse(await body_of(request))
+            ids, queue = await engine.add(asked.prompts, asked.params)
         except BadRequest as e:
             return error_response(str(e), e.param, e.status)
         except ValueError as e:  # a prompt the engine refuses: too long, too big for the KV cache
             return error_response(str(e), "prompt")
-        head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+        head = {"id": f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}",
+                "object": "chat.completion" if kind == "chat" else "text_completion", "created": int(time.time()),
                 "model": model_name}
-        if stream:
-            return StreamingResponse(stream_events(engine, ids, queue, params.n, head),
+        if asked.stream:
+            return StreamingResponse(stream_events(engine, ids, queue, asked, head, kind),
                                      media_type="text/event-stream")
-        return await whole_response(engine, request, ids, queue, params, head)
+        outs = await whole_outputs(engine, request, ids, queue)
+        if isinstance(outs, Response):
+            return outs
+        choices = [choice(llm, asked, p * asked.params.n + c.index, out, c) for p, out in enumerate(outs)
+                   for c in out.outputs]
+        return {**head, "choices": choices, "usage": usage(outs, asked)}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await serve(request, lambda body: parse_completion(body, model_name, llm), "text", completion_choice)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await serve(request, lambda body: parse_chat(body, model_name, llm, template), "chat", chat_choice)
 
     return app
 
@@ -219,13 +442,24 @@ async def next_events(queue):
     return events
 
 
-async def stream_events(engine, ids, queue, n, head):
+async def stream_events(engine, ids, queue, asked, head, kind):
     """Server-sent events: a chunk per new text of a choice (prompt index * n + sample index), a last one per choice
-    with its finish_reason, then [DONE]. A client gone (the response closed) aborts the requests still running."""
-    chunk = lambda index, text, reason: "data: " + json.dumps({**head, "choices": [
-        {"index": index, "text": text, "logprobs": None, "finish_reason": reason}]}) + "\n\n"
+    with its finish_reason, a usage chunk if asked, then [DONE]. A client gone (the response closed) aborts the
+    requests still running."""
+    chat, n = kind == "chat", asked.params.n
+    head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
+
+    def chunk(index, text, reason, role=False):
+        if chat:
+            delta = {"role": "assistant", "content": text} if role else {"content": text} if text or not reason else {}
+            body = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
+        else:
+            body = {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
+        return "data: " + json.dumps({**head, "choices": [body]}) + "\n\n"
     try:
-        remaining = len(ids)
+        remaining, outs = len(ids), []
+        if chat:  # OpenAI's first chunk of each choice names the role
+            yield "".join(chunk(i, "", None, role=True) for i in range(len(ids) * n))
         while remaining:
             text = []
             for i, sample, delta, out in await next_events(queue):
@@ -233,19 +467,23 @@ async def stream_events(engine, ids, queue, n, head):
                     text.append(chunk(i * n + sample, delta, None))
                 if out is not None:
                     remaining -= 1
+                    outs.append(out)
                     if out.error:
                         text.append("data: " + json.dumps({"error": {"message": out.error, "type": "server_error"}})
                                     + "\n\n")
                     text += [chunk(i * n + c.index, "", c.finish_reason) for c in out.outputs]
             if text:
                 yield "".join(text)
+        if asked.include_usage:
+            yield "data: " + json.dumps({**head, "choices": [], "usage": usage(outs, asked)}) + "\n\n"
         yield "data: [DONE]\n\n"
     finally:
         engine.abort(ids)
 
 
-async def whole_response(engine, request, ids, queue, params, head):
-    """Every choice once finished, with usage; the requests are aborted if the client goes away first."""
+async def whole_outputs(engine, request, ids, queue):
+    """Each prompt's RequestOutput once finished, in order; or the error Response. The requests are aborted if the
+    client goes away first."""
     outs, checked = {}, time.monotonic()
     try:
         while len(outs) < len(ids):
@@ -264,34 +502,45 @@ async def whole_response(engine, request, ids, queue, params, head):
         engine.abort(ids)
     outs = [outs[i] for i in range(len(ids))]
     failed = next((o.error for o in outs if o.error), None)
-    if failed:
-        return error_response(failed, status=500)
-    choices = [{"index": p * params.n + c.index, "text": c.text, "finish_reason": c.finish_reason,
-                "logprobs": None if params.logprobs is None else openai_logprobs(c, params.logprobs)}
-               for p, out in enumerate(outs) for c in out.outputs]
-    prompt_tokens = sum(len(o.prompt_token_ids) for o in outs)
-    completion_tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
-    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-             "total_tokens": prompt_tokens + completion_tokens}
-    return {**head, "choices": choices, "usage": usage}
+    return error_response(failed, status=500) if failed else outs
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--model", default="gpt2", help="gpt2, gpt2-medium, -large, -xl, distilgpt2, or a directory")
-    ap.add_argument("--served-model-name", default=None, help="the name clients ask for (default: --model)")
-    ap.add_argument("--host", default="127.0.0.1", help="0.0.0.0 to listen on every interface")
-    ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    ap.add_argument("--dtype", default=None, choices=["float16", "float32"], help="default: fp16 on GPU, fp32 on CPU")
-    ap.add_argument("--max-num-seqs", type=int, default=256, help="sequences in the running batch at most")
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="gpt2", help="gpt2, gpt2-medium, -large, -xl, distilgpt2, a directory, or "
+                    "random:gpt2 (random weights at a GPT-2 size: no network, the text is noise); default: gpt2")
+    ap.add_argument("--served-model-name", help="the name clients ask for; default: the --model given")
+    ap.add_argument("--host", default="127.0.0.1", help="the address to listen on (0.0.0.0: every interface); "
+                    "default: 127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000, help="the port to listen on; default: 8000")
+    ap.add_argument("--api-key", help="if given, every /v1 route wants the header `Authorization: Bearer <key>`")
+    ap.add_argument("--chat-template", help="a Jinja chat template file for /v1/chat/completions; default: the "
+                    "model directory's own, else plain 'role: content' lines")
+    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                    help="auto: the GPU if CuPy sees a Hopper GPU, else the CPU")
+    ap.add_argument("--dtype", choices=["float16", "float32"], help="default: float16 on the GPU, float32 on the CPU")
+    ap.add_argument("--max-num-seqs", type=int, default=256, help="sequences in the running batch at most; "
+                    "default: 256")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="the fraction of the GPU's memory the "
+                    "engine may fill, the KV cache taking what the weights leave; default: 0.9")
     args = ap.parse_args()
+    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:  # bound before the model loads: a port in use fails at once, with what to do
+        sock.bind((args.host, args.port))
+    except OSError as e:
+        ap.exit(1, f"serve.py: cannot listen on {args.host}:{args.port} ({e.strerror}): pick another --port, or stop "
+                   "what holds it\n")
     llm = LLM(args.model, device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
               gpu_memory_utilization=args.gpu_memory_utilization)
-    log(f"serving {args.served_model_name or args.model} on http://{args.host}:{args.port}/v1")
-    uvicorn.run(make_app(llm, args.served_model_name or args.model), host=args.host, port=args.port,
-                log_level="warning")
+    name = args.served_model_name or args.model
+    # SIGTERM: uvicorn stops accepting, lets requests in flight finish (30 s at most; then they are aborted), and raises
+    # the signal again once down, for this handler to exit 0
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    server = uvicorn.Server(uvicorn.Config(make_app(llm, name, args.chat_template, args.api_key), log_level="info",
+                                           timeout_graceful_shutdown=30))
+    log(f"serving {name} on http://{args.host}:{args.port}/v1")
+    server.run(sockets=[sock])
 
 
 if __name__ == "__main__":

@@ -11,31 +11,35 @@ import threading
 import pytest
 
 from conftest import HERE, _free_port, greedy
-from nanoinfer import LLM
+from nanoinfer import LLM, SamplingParams
+
+
+def start_server(tiny, *flags, port=None):
+    """serve.py on the tiny checkpoint (CPU, fp32) on a free port, up: (process, base URL)."""
+    import httpx
+    port = port or _free_port()
+    proc = subprocess.Popen([sys.executable, str(HERE / "serve.py"), "--model", str(tiny.path), "--device", "cpu",
+                             "--port", str(port), "--served-model-name", "tiny", *flags], cwd=HERE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            assert proc.poll() is None, proc.stderr.read().decode()
+            threading.Event().wait(0.1)
+    proc.kill()
+    raise AssertionError("serve.py did not come up in 60 s")
 
 
 @pytest.fixture(scope="module")
 def server(tiny):
-    """serve.py on the tiny checkpoint (CPU, fp32), on a free port; yields (base URL, an LLM like it for solo runs)."""
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, str(HERE / "serve.py"), "--model", str(tiny.path), "--device", "cpu",
-                             "--port", str(port), "--served-model-name", "tiny"], cwd=HERE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    url = f"http://127.0.0.1:{port}"
-    import httpx
-    for _ in range(600):
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            assert proc.poll() is None, proc.stderr.read().decode()
-            threading.Event().wait(0.1)
-    else:
-        proc.kill()
-        raise AssertionError("serve.py did not come up in 60 s")
+    """serve.py on the tiny checkpoint; yields (base URL, an LLM like it for solo runs)."""
+    proc, url = start_server(tiny)
     yield url, LLM(str(tiny.path), device="cpu")
     proc.terminate()
-    proc.wait(timeout=30)
+    assert proc.wait(timeout=30) == 0
 
 
 def server_metrics(url):
@@ -79,10 +83,14 @@ def test_server_completions_like_generate(server):
                                            seed=3, stream=True, extra_body={"ignore_eos": True}):
         streamed[chunk.choices[0].index] = streamed.get(chunk.choices[0].index, "") + chunk.choices[0].text
     assert streamed == {c.index: c.text for c in two.choices}
-    lp = client.completions.create(model="tiny", prompt="Hi", max_tokens=3, temperature=0, logprobs=2,
-                                   extra_body={"ignore_eos": True}).choices[0].logprobs
-    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 3 and all(len(t) >= 1 for t in
-                                                                                         lp.top_logprobs)
+    for k in (0, 2):  # OpenAI's shape: up to k + 1 entries, the sampled token's always among them
+        got = client.completions.create(model="tiny", prompt="Hi", max_tokens=3, temperature=0.9, seed=5, logprobs=k,
+                                        extra_body={"ignore_eos": True}).choices[0].logprobs
+        want = llm.generate(["Hi"], SamplingParams(max_tokens=3, temperature=0.9, seed=5, logprobs=k,
+                                                   ignore_eos=True), use_tqdm=False)[0].outputs[0]
+        assert got.tokens == [want.logprobs[i][t].decoded_token for i, t in enumerate(want.token_ids)]
+        assert got.token_logprobs == pytest.approx([lp[t].logprob for lp, t in zip(want.logprobs, want.token_ids)])
+        assert all(tok in top and k <= len(top) <= k + 1 for tok, top in zip(got.tokens, got.top_logprobs))
     wait_idle(url)
 
 
@@ -147,8 +155,135 @@ def test_server_bad_requests_get_400(server):
         client.completions.create(model="gpt-5", prompt="a")
     with pytest.raises(BadRequestError, match="context"):
         client.completions.create(model="tiny", prompt="a " * 300)
-    with pytest.raises(BadRequestError, match="echo"):
-        client.completions.create(model="tiny", prompt="a", echo=True)
+    with pytest.raises(BadRequestError, match="suffix"):
+        client.completions.create(model="tiny", prompt="a", suffix="b")
+    with pytest.raises(BadRequestError, match=r"maximum context length is 128 tokens.*\(1 in the prompt, 200 in"):
+        client.completions.create(model="tiny", prompt="a", max_tokens=200)
+    with pytest.raises(BadRequestError, match="best_of"):
+        client.completions.create(model="tiny", prompt="a", best_of=3, n=1)
+    with pytest.raises(BadRequestError, match=r"token ids in \[0, 50257\)") as e:
+        client.completions.create(model="tiny", prompt=[99999])
+    assert "dict" not in str(e.value)
+    defaults = client.completions.create(model="tiny", prompt="a", max_tokens=2, best_of=1, n=1, logit_bias={})
+    assert defaults.usage.completion_tokens <= 2
     assert httpx.post(url + "/v1/completions", json=["a"]).status_code == 400
+    for method, route, status in (("GET", "/v1/nowhere", 404), ("GET", "/v1/completions", 405)):
+        r = httpx.request(method, url + route)
+        assert r.status_code == status and r.json()["error"]["message"].startswith(f"{method} {route}")
+    assert client.models.retrieve("tiny").max_model_len == 128
+    with pytest.raises(NotFoundError, match="does not exist"):
+        client.models.retrieve("gpt-5")
     assert "".join(c.choices[0].text for c in beside) == want
     wait_idle(url)
+
+
+def lm_eval_loglikelihood(url, context, continuation, max_tokens=1):
+    """A loglikelihood request as lm-evaluation-harness's local-completions sends it (token ids, echo, logprobs=1,
+    temperature 0, seed 1234), and its answer read as lm-eval reads it: (sum of the continuation's log-probs,
+    whether each continuation token is the most likely one)."""
+    import httpx
+    body = {"model": "tiny", "prompt": context + continuation, "max_tokens": max_tokens, "logprobs": 1, "echo": True,
+            "temperature": 0, "seed": 1234}
+    choice = httpx.post(url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+    lp, end = choice["logprobs"], len(context) + len(continuation)
+    assert len(lp["token_logprobs"]) == end + max_tokens and lp["token_logprobs"][0] is None
+    assert lp["top_logprobs"][0] is None
+    tokens, tops = lp["token_logprobs"][len(context):end], lp["top_logprobs"][len(context):end]
+    return sum(tokens), all(t == max(top.values()) for t, top in zip(tokens, tops))
+
+
+def test_server_echo_scores_like_lm_eval(server, tiny):
+    """lm-eval's loglikelihood requests (echo, logprobs=1, max_tokens 1 and 0): the continuation's log-likelihood
+    equals transformers' on the same tokens (fp32, within 1e-4), and the greedy flag equals transformers' argmax;
+    echo's text is the prompt's then the completion's."""
+    import httpx
+    import torch
+    url, llm = server
+    for text, cont in (("The capital of France is", " Paris"), ("Once upon a", " time there was a dragon")):
+        ctx, cont = llm.tokenizer.encode(text), llm.tokenizer.encode(cont)
+        with torch.no_grad():
+            logp = torch.log_softmax(tiny.hf(torch.tensor([ctx + cont])).logits[0], -1).numpy()
+        want = sum(logp[len(ctx) - 1 + i, t] for i, t in enumerate(cont))
+        greedy_ref = all(logp[len(ctx) - 1 + i].argmax() == t for i, t in enumerate(cont))
+        for max_tokens in (1, 0):
+            got, is_greedy = lm_eval_loglikelihood(url, ctx, cont, max_tokens)
+            assert abs(got - want) < 1e-4 and is_greedy == greedy_ref, (text, got, want)
+    r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "Hello", "max_tokens": 3, "echo": True,
+                                                  "temperature": 0, "ignore_eos": True}).json()
+    want = llm.generate(["Hello"], greedy(3), use_tqdm=False)[0].outputs[0].text
+    assert r["choices"][0]["text"] == "Hello" + want and r["usage"]["completion_tokens"] == 3
+    wait_idle(url)
+
+
+def test_server_chat_completions(server):
+    """chat.completions through the openai client, whole and streamed (sync and async): the answer is the engine's
+    completion of the messages rendered by the default template; a stream with include_usage ends with the usage
+    chunk; logprobs come in the chat shape with the sampled token among top_logprobs."""
+    import asyncio
+
+    from openai import AsyncOpenAI, OpenAI
+    url, llm = server
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hi."}]
+    rendered = "system: You are terse.\n\nuser: Say hi.\n\nassistant:"
+    want = llm.generate([rendered], greedy(10), use_tqdm=False)[0].outputs[0]
+    client = OpenAI(base_url=url + "/v1", api_key="none")
+    got = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0,
+                                         extra_body={"ignore_eos": True})
+    assert got.choices[0].message.content == want.text and got.choices[0].message.role == "assistant"
+    assert got.usage.prompt_tokens == len(llm.tokenizer.encode(rendered)) and got.usage.completion_tokens == 10
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True}))
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[-1].choices == []
+    assert chunks[-1].usage.completion_tokens == 10
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    lp = client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, temperature=0.7, seed=2,
+                                        logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    for entry in lp.choices[0].logprobs.content:
+        assert entry.token in [t.token for t in entry.top_logprobs] and 2 <= len(entry.top_logprobs) <= 3
+
+    async def streamed():
+        stream = await AsyncOpenAI(base_url=url + "/v1", api_key="none").completions.create(
+            model="tiny", prompt=rendered, max_tokens=10, temperature=0, stream=True, extra_body={"ignore_eos": True})
+        return "".join([c.choices[0].text async for c in stream])
+    assert asyncio.run(streamed()) == want.text
+    wait_idle(url)
+
+
+def test_chat_template_sources(tiny, tmp_path):
+    """The chat template: a file given wins, else the model directory's own (tokenizer_config.json), else the plain
+    default; a template's raise_exception refuses the messages with a 400."""
+    import shutil
+
+    import serve
+    messages = [{"role": "user", "content": "hi"}]
+    assert serve.load_chat_template(None, tiny.path).render(messages=messages, add_generation_prompt=True) == \
+        "user: hi\n\nassistant:"
+    model = tmp_path / "model"
+    shutil.copytree(tiny.path, model)
+    (model / "tokenizer_config.json").write_text('{"chat_template": "{% for m in messages %}<{{ m.role }}>'
+                                                 '{{ m.content }}{% endfor %}"}')
+    assert serve.load_chat_template(None, model).render(messages=messages) == "<user>hi"
+    (tmp_path / "t.jinja").write_text("{{ raise_exception('no system role') }}")
+    with pytest.raises(serve.BadRequest, match="no system role"):
+        serve.load_chat_template(tmp_path / "t.jinja", model).render(messages=messages)
+
+
+def test_server_api_key_and_port_in_use(tiny):
+    """--api-key: /v1 routes answer 401 in OpenAI's shape without the bearer token (or with another), 200 with it;
+    /health stays open. A second server on the same port exits at once with 1, saying to pick another --port."""
+    import httpx
+    proc, url = start_server(tiny, "--api-key", "sekrit")
+    try:
+        for headers in ({}, {"authorization": "Bearer wrong"}):
+            r = httpx.get(url + "/v1/models", headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        assert httpx.get(url + "/v1/models", headers={"authorization": "Bearer sekrit"}).status_code == 200
+        assert httpx.get(url + "/health").status_code == 200
+        second = subprocess.run([sys.executable, str(HERE / "serve.py"), "--model", str(tiny.path), "--device", "cpu",
+                                 "--port", url.rsplit(":", 1)[1]], capture_output=True, text=True, timeout=60)
+        assert second.returncode == 1 and "pick another --port" in second.stderr and "serving" not in second.stderr
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0
