@@ -8,9 +8,10 @@
   POST /tokenize, /detokenize vLLM's: a prompt's token ids, and back
   GET  /health, /metrics      200 while the engine runs; KV blocks and requests (Prometheus text)
 
-One thread owns the engine and steps it while any request is unfinished; each HTTP request adds its prompts with
-add_request and reads their events from its own queue. So requests from many sockets join one running batch, as
-continuous batching means to; a client that goes away aborts its requests, and their blocks are free at once.
+The engine runs in a process of its own (engine_process.py), stepping while any request is unfinished; each HTTP
+request sends its prompts there and reads their events from its own queue. So requests from many sockets join one
+running batch, as continuous batching means to; a client that goes away aborts its requests, and their blocks are
+free at once.
 """
 import argparse
 import asyncio
@@ -20,10 +21,8 @@ import re
 import signal
 import socket
 import sys
-import threading
 import time
 import uuid
-from collections import Counter
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -31,12 +30,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from nanoinfer import LLM, SamplingParams, log
+from engine_process import EngineProcess
+from nanoinfer import SamplingParams, log, refuse_request
 
 # OpenAI's fields, and vLLM's extra sampling fields, as SamplingParams takes them
 SAMPLING_FIELDS = ("n", "max_tokens", "temperature", "top_p", "stop", "seed", "presence_penalty",
                    "frequency_penalty", "logprobs", "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos",
                    "stop_token_ids", "include_stop_str_in_output")
+MAX_BODY = 16 << 20  # bytes of a request body at most (a whole context of token ids is ~10 KB)
 # GPT-2 has no chat template: each message on its own lines as "role: content", then "assistant:" to answer
 DEFAULT_CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n\n{% endfor %}"
                          "{% if add_generation_prompt %}assistant:{% endif %}")
@@ -46,81 +47,6 @@ class BadRequest(Exception):
     def __init__(self, message, param=None, status=400):
         super().__init__(message)
         self.param, self.status = param, status
-
-
-class EngineLoop:
-    """The LLM, stepped by one thread. add() queues the prompts of one HTTP request, each with an Outbox: the engine
-    delivers their events to one asyncio queue, as (prompt index, sample index, new text, RequestOutput once done).
-    The event loop never waits for the engine (a step holds it for a whole graph run): add() runs in a worker thread,
-    and abort() leaves its ids for the engine thread, which aborts them before its next step."""
-    def __init__(self, llm):
-        self.llm, self.wake, self.lock = llm, threading.Event(), threading.Lock()
-        self.live, self.finished = set(), Counter()  # outboxes of unfinished requests; samples done, by finish_reason
-        self.to_abort = []  # request ids the event loop gave up on
-        threading.Thread(target=self._run, name="engine", daemon=True).start()
-
-    async def add(self, prompts, params):
-        """(request ids, queue); a prompt the engine refuses raises ValueError, and those before it are aborted."""
-        return await asyncio.to_thread(self._add, prompts, params, asyncio.Queue(), asyncio.get_running_loop())
-
-    def _add(self, prompts, params, queue, loop):
-        ids = []
-        try:
-            for i, prompt in enumerate(prompts):
-                outbox = Outbox(self, queue, i, loop)
-                outbox.request_id = self.llm.add_request(prompt, params, outbox)
-                ids.append(outbox.request_id)
-        except ValueError:
-            with self.lock:
-                self.live.discard(outbox)  # the refused prompt's: it has no request
-            self.abort(ids)
-            raise
-        self.wake.set()
-        return ids, queue
-
-    def abort(self, request_ids):
-        with self.lock:
-            self.to_abort += request_ids  # ids already finished are ignored
-        self.wake.set()
-
-    def _run(self):
-        while True:
-            with self.lock:
-                aborts, self.to_abort = self.to_abort, []
-            try:
-                self.llm.abort_request(aborts)
-                if not self.llm.has_unfinished():
-                    self.wake.wait()
-                    self.wake.clear()
-                    continue
-                self.llm.step()  # the events go to the requests' outboxes
-            except Exception as e:  # an error no request can be blamed for (scheduling): every request ends with it
-                log(f"an engine step failed: {type(e).__name__}: {e}; every request in it ends")
-                with self.lock:
-                    failing, self.live = self.live, set()
-                for outbox in failing:
-                    outbox.put(e)
-                self.llm.abort_request([o.request_id for o in failing if o.request_id is not None])
-
-
-class Outbox:
-    """Where the engine puts one prompt's events (LLM.add_request's outbox), from its thread into the HTTP request's
-    asyncio queue, with the prompt's index."""
-    def __init__(self, engine, queue, index, loop):
-        self.engine, self.queue, self.index, self.request_id, self.loop = engine, queue, index, None, loop
-        with engine.lock:
-            engine.live.add(self)
-
-    def put(self, item):
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-
-    def append(self, event):
-        _, sample, delta, out = event
-        self.put((self.index, sample, delta, out))
-        if out is not None:
-            with self.engine.lock:
-                self.engine.live.discard(self)
-                self.engine.finished.update(c.finish_reason for c in out.outputs)
 
 
 def error_response(message, param=None, status=400):
@@ -180,15 +106,25 @@ def sampling_params(kw, body, prompts, n_ctx):
         raise BadRequest(str(e), (re.match(r"SamplingParams\.(\w+)", str(e)) or [None, None])[1]) from None
 
 
-def prompt_ids(llm, prompt, field="prompt"):
+def check_prompts(engine, asked):
+    """What the engine would refuse, refused here (the engine checks again): a prompt too long, too big a request."""
+    for ids in asked.prompts:
+        try:
+            refuse_request(ids, asked.params, engine.config.n_ctx, engine.tokenizer.n_vocab, engine.kv)
+        except ValueError as e:
+            raise BadRequest(str(e), "prompt") from None
+    return asked
+
+
+def prompt_ids(engine, prompt, field="prompt"):
     try:
-        return llm.tokenizer.prompt_ids(prompt)
+        return engine.tokenizer.prompt_ids(prompt)
     except ValueError:
-        raise BadRequest(f"`{field}` must be a string, a list of token ids in [0, {llm.tokenizer.n_vocab}), or a "
+        raise BadRequest(f"`{field}` must be a string, a list of token ids in [0, {engine.tokenizer.n_vocab}), or a "
                          "list of those", field) from None
 
 
-def parse_completion(body, model_name, llm):
+def parse_completion(body, model_name, engine):
     """An Asked from a completions body, or BadRequest saying what is wrong."""
     include_usage = check_common(body, model_name)
     prompt = body.get("prompt")
@@ -197,7 +133,7 @@ def parse_completion(body, model_name, llm):
     if not (isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt)):
         raise BadRequest("`prompt` must be a string, a list of strings, a list of token ids, or a list of those",
                          "prompt")
-    prompts = [prompt_ids(llm, p) for p in prompt]
+    prompts = [prompt_ids(engine, p) for p in prompt]
     kw = {k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None}
     kw.setdefault("max_tokens", 16)  # OpenAI's default
     echo, drop = body.get("echo", False), kw["max_tokens"] == 0 and body.get("echo", False)
@@ -205,7 +141,7 @@ def parse_completion(body, model_name, llm):
         kw["max_tokens"] = 1
     if echo and kw.get("logprobs") is not None:
         kw["prompt_logprobs"] = kw["logprobs"]
-    params = sampling_params(kw, body, prompts, llm.config.n_ctx)
+    params = sampling_params(kw, body, prompts, engine.config.n_ctx)
     if body.get("stream") and params.logprobs is not None:
         raise BadRequest("`logprobs` is supported without `stream` only, for now", "logprobs")
     return Asked(prompts, params, body.get("stream", False), echo, drop, include_usage, params.logprobs)
@@ -219,7 +155,7 @@ def message_text(content):
     raise BadRequest("a message's `content` is a string or a list of text parts", "messages")
 
 
-def parse_chat(body, model_name, llm, template):
+def parse_chat(body, model_name, engine, template):
     """An Asked from a chat completions body: the messages rendered by the chat template into one prompt."""
     include_usage = check_common(body, model_name)
     messages = body.get("messages")
@@ -231,13 +167,13 @@ def parse_chat(body, model_name, llm, template):
     messages = [{**m, "content": message_text(m.get("content", ""))} for m in messages]
     text = template.render(messages=messages, add_generation_prompt=body.get("add_generation_prompt", True),
                            bos_token="<|endoftext|>", eos_token="<|endoftext|>")
-    prompts = [prompt_ids(llm, text)]
+    prompts = [prompt_ids(engine, text)]
     kw = {k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None and k != "logprobs"}
     kw["max_tokens"] = body.get("max_completion_tokens") or body.get("max_tokens") or \
-        llm.config.n_ctx - len(prompts[0])  # vLLM's default: the rest of the context
+        engine.config.n_ctx - len(prompts[0])  # vLLM's default: the rest of the context
     if body.get("logprobs"):
         kw["logprobs"] = body.get("top_logprobs") or 0
-    params = sampling_params(kw, body, prompts, llm.config.n_ctx)
+    params = sampling_params(kw, body, prompts, engine.config.n_ctx)
     if body.get("stream") and params.logprobs is not None:
         raise BadRequest("`logprobs` is supported without `stream` only, for now", "logprobs")
     return Asked(prompts, params, body.get("stream", False), include_usage=include_usage, k=params.logprobs)
@@ -287,19 +223,19 @@ def completion_logprobs(tokenizer, entries, offset=0):
     return out
 
 
-def completion_choice(llm, asked, index, out, sample):
+def completion_choice(engine, asked, index, out, sample):
     text, token_ids, logprobs = sample.text, sample.token_ids, sample.logprobs
     if asked.drop_output:
         text, token_ids, logprobs = "", [], []
     entries = list(zip(token_ids, logprobs or []))
-    prompt_text = llm.tokenizer.decode(out.prompt_token_ids) if asked.echo else ""
+    prompt_text = engine.tokenizer.decode(out.prompt_token_ids) if asked.echo else ""
     if asked.echo and asked.k is not None:
         entries = list(zip(out.prompt_token_ids, out.prompt_logprobs)) + entries
     return {"index": index, "text": prompt_text + text, "finish_reason": sample.finish_reason,
-            "logprobs": None if asked.k is None else completion_logprobs(llm.tokenizer, entries)}
+            "logprobs": None if asked.k is None else completion_logprobs(engine.tokenizer, entries)}
 
 
-def chat_choice(llm, asked, index, out, sample):
+def chat_choice(engine, asked, index, out, sample):
     def entry(x):
         return {"token": x.decoded_token, "logprob": x.logprob, "bytes": list(x.decoded_token.encode())}
     logprobs = None if asked.k is None else {"content": [
@@ -327,9 +263,10 @@ class RequireKey:
         await self.app(scope, receive, send)
 
 
-def make_app(llm, model_name, chat_template=None, api_key=None):
-    app, engine, created = FastAPI(title="nanoinfer"), EngineLoop(llm), int(time.time())
-    template = load_chat_template(chat_template, llm.model_dir)
+def make_app(engine, model_name, chat_template=None, api_key=None):
+    """The routes, over an EngineProcess (which has the tokenizer and config the requests are read with)."""
+    app, created = FastAPI(title="nanoinfer"), int(time.time())
+    template = load_chat_template(chat_template, engine.model_dir)
 
     @app.exception_handler(HTTPException)  # 404s and 405s in OpenAI's error shape, as every other error
     async def http_error(request, e):
@@ -344,10 +281,10 @@ def make_app(llm, model_name, chat_template=None, api_key=None):
 
     @app.get("/health")
     async def health():
-        return Response(status_code=200)
+        return Response(status_code=503 if engine.dead else 200)
 
     model_card = {"id": model_name, "object": "model", "created": created, "owned_by": "nanoinfer",
-                  "max_model_len": llm.config.n_ctx}
+                  "max_model_len": engine.config.n_ctx}
 
     @app.get("/v1/models")
     async def models():
@@ -362,19 +299,23 @@ def make_app(llm, model_name, chat_template=None, api_key=None):
 
     @app.get("/metrics")
     async def metrics():
-        kv, s = llm.kv, llm.scheduler
-        with engine.lock:  # the engine thread counts under it
-            finished = sorted(engine.finished.items())
-        return PlainTextResponse(f"nanoinfer_kv_blocks_free {kv.num_free_blocks()}\n"
-                                 f"nanoinfer_kv_blocks_total {kv.num_blocks}\n"
-                                 f"nanoinfer_requests_running {len(s.running)}\n"
-                                 f"nanoinfer_requests_waiting {len(s.waiting)}\n" +
+        with engine.lock:  # the reader thread counts under it
+            finished, s = sorted(engine.finished.items()), engine.stats
+        return PlainTextResponse(f"nanoinfer_kv_blocks_free {s['free']}\n"
+                                 f"nanoinfer_kv_blocks_total {s['total']}\n"
+                                 f"nanoinfer_requests_running {s['running']}\n"
+                                 f"nanoinfer_requests_waiting {s['waiting']}\n" +
                                  "".join(f'nanoinfer_samples_finished{{reason="{reason}"}} {n}\n'
                                          for reason, n in finished))
 
     async def body_of(request):
+        body = b""
+        async for chunk in request.stream():  # read no more than MAX_BODY of it
+            body += chunk
+            if len(body) > MAX_BODY:
+                raise BadRequest(f"the request body is larger than {MAX_BODY >> 20} MiB", status=413)
         try:
-            return json.loads(await request.body())
+            return json.loads(body)
         except ValueError:
             raise BadRequest("the request body is not valid JSON") from None
 
@@ -383,29 +324,30 @@ def make_app(llm, model_name, chat_template=None, api_key=None):
         try:
             body = await body_of(request)
             check_common(body, model_name)
-            ids = prompt_ids(llm, body.get("prompt"))
+            ids = prompt_ids(engine, body.get("prompt"))
         except BadRequest as e:
             return error_response(str(e), e.param, e.status)
-        return {"tokens": ids, "count": len(ids), "max_model_len": llm.config.n_ctx}
+        return {"tokens": ids, "count": len(ids), "max_model_len": engine.config.n_ctx}
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
         try:
             body = await body_of(request)
             check_common(body, model_name)
-            ids = prompt_ids(llm, body.get("tokens"), "tokens")
+            ids = prompt_ids(engine, body.get("tokens"), "tokens")
         except BadRequest as e:
             return error_response(str(e), e.param, e.status)
-        return {"prompt": llm.tokenizer.decode(ids)}
+        return {"prompt": engine.tokenizer.decode(ids)}
 
     async def serve(request, parse, kind, choice):
         try:
-            asked = parse(await body_of(request))
-            ids, queue = await engine.add(asked.prompts, asked.params)
+            asked = check_prompts(engine, parse(await body_of(request)))
+            queue = asyncio.Queue()
+            ids = engine.add(asked.prompts, asked.params, queue, asyncio.get_running_loop())
         except BadRequest as e:
             return error_response(str(e), e.param, e.status)
-        except ValueError as e:  # a prompt the engine refuses: too long, too big for the KV cache
-            return error_response(str(e), "prompt")
+        except ConnectionError as e:  # the engine process is gone
+            return error_response(str(e), status=503)
         head = {"id": f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}",
                 "object": "chat.completion" if kind == "chat" else "text_completion", "created": int(time.time()),
                 "model": model_name}
@@ -415,17 +357,17 @@ def make_app(llm, model_name, chat_template=None, api_key=None):
         outs = await whole_outputs(engine, request, ids, queue)
         if isinstance(outs, Response):
             return outs
-        choices = [choice(llm, asked, p * asked.params.n + c.index, out, c) for p, out in enumerate(outs)
+        choices = [choice(engine, asked, p * asked.params.n + c.index, out, c) for p, out in enumerate(outs)
                    for c in out.outputs]
         return {**head, "choices": choices, "usage": usage(outs, asked)}
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await serve(request, lambda body: parse_completion(body, model_name, llm), "text", completion_choice)
+        return await serve(request, lambda body: parse_completion(body, model_name, engine), "text", completion_choice)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await serve(request, lambda body: parse_chat(body, model_name, llm, template), "chat", chat_choice)
+        return await serve(request, lambda body: parse_chat(body, model_name, engine, template), "chat", chat_choice)
 
     return app
 
@@ -476,9 +418,11 @@ async def stream_events(engine, ids, queue, asked, head, kind):
                 yield "".join(text)
         if asked.include_usage:
             yield "data: " + json.dumps({**head, "choices": [], "usage": usage(outs, asked)}) + "\n\n"
-        yield "data: [DONE]\n\n"
+    except ConnectionError as e:  # the engine process is gone: say so, and end the stream as usual
+        yield "data: " + json.dumps({"error": {"message": str(e), "type": "server_error", "code": 503}}) + "\n\n"
     finally:
         engine.abort(ids)
+    yield "data: [DONE]\n\n"
 
 
 async def whole_outputs(engine, request, ids, queue):
@@ -496,8 +440,8 @@ async def whole_outputs(engine, request, ids, queue):
                 if await request.is_disconnected():
                     return Response(status_code=499)  # nginx's "client closed request"; no one reads it
                 checked = time.monotonic()
-    except Exception as e:
-        return error_response(f"the engine failed: {type(e).__name__}: {e}", status=500)
+    except ConnectionError as e:
+        return error_response(str(e), status=503)
     finally:
         engine.abort(ids)
     outs = [outs[i] for i in range(len(ids))]
@@ -531,16 +475,22 @@ def main():
     except OSError as e:
         ap.exit(1, f"serve.py: cannot listen on {args.host}:{args.port} ({e.strerror}): pick another --port, or stop "
                    "what holds it\n")
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-              gpu_memory_utilization=args.gpu_memory_utilization)
+    try:
+        engine = EngineProcess(model=args.model, device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+                               gpu_memory_utilization=args.gpu_memory_utilization)
+    except RuntimeError as e:
+        ap.exit(1, f"serve.py: the engine did not start: {e}\n")
     name = args.served_model_name or args.model
     # SIGTERM: uvicorn stops accepting, lets requests in flight finish (30 s at most; then they are aborted), and raises
     # the signal again once down, for this handler to exit 0
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    server = uvicorn.Server(uvicorn.Config(make_app(llm, name, args.chat_template, args.api_key), log_level="info",
-                                           timeout_graceful_shutdown=30))
+    server = uvicorn.Server(uvicorn.Config(make_app(engine, name, args.chat_template, args.api_key),
+                                           log_level="info", timeout_graceful_shutdown=30))
     log(f"serving {name} on http://{args.host}:{args.port}/v1")
-    server.run(sockets=[sock])
+    try:
+        server.run(sockets=[sock])
+    finally:
+        engine.stop()
 
 
 if __name__ == "__main__":

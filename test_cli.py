@@ -162,8 +162,8 @@ def test_pip_install_gives_import_anywhere(tmp_path):
                         "--target", str(site), str(HERE)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert sorted(p.name for p in site.iterdir() if p.suffix in (".py", ".cu")) == [
-        "checkpoint.py", "cuda_backend.py", "kernels.cu", "nanoinfer.py", "paged_kv.py", "sampling_params.py",
-        "scheduler.py", "serve.py"]
+        "checkpoint.py", "cuda_backend.py", "engine_process.py", "kernels.cu", "nanoinfer.py", "paged_kv.py",
+        "sampling_params.py", "scheduler.py", "serve.py"]
     code = "import nanoinfer, cuda_backend; print(nanoinfer.__file__, cuda_backend.KERNELS_CU.is_file())"
     r = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(site)}, cwd=tmp_path,
                        capture_output=True, text=True, timeout=120)

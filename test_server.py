@@ -287,3 +287,70 @@ def test_server_api_key_and_port_in_use(tiny):
     finally:
         proc.terminate()
         assert proc.wait(timeout=30) == 0
+
+
+def engine_child(proc):
+    """The engine process serve.py started (its child spawned by multiprocessing, beside the resource tracker)."""
+    children = open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()
+    engines = [int(c) for c in children if b"resource_tracker" not in open(f"/proc/{c}/cmdline", "rb").read()]
+    assert len(engines) == 1, children
+    return engines[0]
+
+
+def test_server_under_abuse(tiny):
+    """200 clients that vanish after their first chunk, a body past the limit (413), 8 requests at once against
+    --max-num-seqs 2 (they wait their turn: each gets its solo text): the server answers on, every sample aborted is
+    counted, every block is free. Then the engine process dies (SIGKILL): /health and completions answer 503 at once,
+    a stream in flight ends, nothing hangs; SIGTERM still exits 0."""
+    import os
+    import signal as sig
+
+    import httpx
+    proc, url = start_server(tiny, "--max-num-seqs", "2")
+    try:
+        body = {"model": "tiny", "prompt": "x", "max_tokens": 100, "temperature": 0, "ignore_eos": True, "stream": True}
+
+        def vanish(_):
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+                next(r.iter_lines())
+        threads = [threading.Thread(target=vanish, args=(i,)) for i in range(200)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        wait_idle(url)
+        assert server_metrics(url)['nanoinfer_samples_finished{reason="abort"}'] == 200
+        r = httpx.post(url + "/v1/completions", content=b"[" + b"1," * (9 << 20) + b"1]",
+                       headers={"content-type": "application/json"})
+        assert r.status_code == 413 and "larger than 16 MiB" in r.json()["error"]["message"]
+        llm = LLM(str(tiny.path), device="cpu")
+        prompts = [f"Turn {i}:" for i in range(8)]
+        want = [o.outputs[0].text for o in llm.generate(prompts, greedy(12), use_tqdm=False)]
+        got = [None] * 8
+
+        def ask(i):
+            got[i] = httpx.post(url + "/v1/completions", timeout=120, json={
+                "model": "tiny", "prompt": prompts[i], "max_tokens": 12, "temperature": 0,
+                "ignore_eos": True}).json()["choices"][0]["text"]
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert got == want
+        wait_idle(url)
+        with httpx.stream("POST", url + "/v1/completions", json={**body, "max_tokens": 120}, timeout=60) as r:
+            lines = r.iter_lines()
+            next(lines)
+            os.kill(engine_child(proc), sig.SIGKILL)
+            rest = list(lines)  # ends: the reader thread tells the stream its engine is gone
+        assert any("engine process has exited" in line for line in rest) and rest[-2:] == ["data: [DONE]", ""]
+        for _ in range(50):
+            if httpx.get(url + "/health").status_code == 503:
+                break
+            threading.Event().wait(0.1)
+        r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2}, timeout=10)
+        assert r.status_code == 503 and "engine process has exited" in r.json()["error"]["message"]
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0
