@@ -48,13 +48,18 @@ def main():
         params = [SamplingParams(n=args.num_samples, max_tokens=args.max_new_tokens, temperature=args.temperature,
                                  top_k=args.top_k, top_p=args.top_p, stop=args.stop, ignore_eos=args.ignore_eos,
                                  logprobs=args.logprobs, seed=seed + i) for i in range(len(prompts))]
-    except ValueError as e:
-        ap.error(str(e))
+    except ValueError as e:  # "SamplingParams.<field>=<value>: must be ...", said as the flag typed
+        field, rest = str(e).removeprefix("SamplingParams.").split("=", 1)
+        ap.error(f"{FLAGS.get(field, field)} {rest.split(': ', 1)[0]}: {rest.split(': ', 1)[-1]}")
     try:
         llm = LLM(args.model, device=args.device, dtype=args.dtype)
     except Exception as e:  # a model directory's problem, the download, the GPU: the message says what to do
         sys.exit(f"error: {e}")
     return stream_to_terminal(llm, prompts, params)
+
+
+FLAGS = {"n": "--num-samples", "max_tokens": "--max-new-tokens", "temperature": "--temperature", "top_k": "--top-k",
+         "top_p": "--top-p", "stop": "--stop", "logprobs": "--logprobs", "seed": "--seed"}  # SamplingParams' fields
 
 
 def read_prompt(ap, name):
@@ -90,17 +95,21 @@ def stream_to_terminal(llm, prompts, params):
     slots = len(prompts) * n  # one per text: prompt i's sample j is slot i * n + j
     pending = [[] for _ in range(slots)]  # text not yet on screen
     done, after = [False] * slots, [""] * slots  # finished; what stderr says after it
-    shown = 0  # the slot streaming live now
+    refused = set()  # prompts the engine refused: their text is not echoed
+    shown = None  # the slot streaming live now (None: before the first event)
     failed, n_tokens, t_first, t0 = 0, 0, None, time.perf_counter()
 
     def show_header(k):
         if slots > 1:
             label = f"{k + 1}/{slots}" if n == 1 else f"prompt {k // n + 1}/{len(prompts)}, sample {k % n + 1}/{n}"
             out.write(f"{'' if k == 0 else chr(10) * 2}--- [{label}] ---\n")
-        out.write(prompts[k // n])
+        out.write("" if k // n in refused else prompts[k // n])
 
     def show_ready(everything=False):  # what is ready, in slot order (everything: the rest too, as far as it got)
         nonlocal shown
+        if shown is None:  # the first event: by now the engine has refused what it refuses
+            shown = 0
+            show_header(0)
         while shown < slots:
             out.write("".join(pending[shown]))
             pending[shown].clear()
@@ -116,11 +125,12 @@ def stream_to_terminal(llm, prompts, params):
 
     status = 0
     try:
-        show_header(0)
         for i, j, delta, finished in llm.stream(prompts, params):
             pending[i * n + j].append(delta)
             if finished is not None and finished.error:
                 what = "refused" if finished.request_id is None else "failed"
+                if finished.request_id is None:
+                    refused.add(i)
                 print(f"error: prompt {i + 1} {what}: {finished.error}", file=sys.stderr)
                 failed += 1
             elif finished is None:  # an event carries a run of tokens (up to 16 with CUDA graphs): counted at the end

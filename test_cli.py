@@ -103,7 +103,10 @@ def test_cli_refused_prompt_exits_1(tiny):
                     "--max-new-tokens", "5"])
     out, err = (s.decode() for s in p.communicate(timeout=120))
     assert p.returncode == 1 and "prompt 2 refused" in err and "context" in err and "Traceback" not in err
-    assert out.startswith("--- [1/2] ---\nHi") and "refused" not in out
+    assert out.startswith("--- [1/2] ---\nHi") and "refused" not in out and "a a a" not in out  # not echoed
+    bad = run_sample(["--model", str(tiny.path), "--device", "cpu", "--num-samples", "0"])
+    _, err = (s.decode() for s in bad.communicate(timeout=120))
+    assert bad.returncode == 2 and "--num-samples 0: must be an integer in [1, 256]" in err and "SamplingParams" not in err
 
 
 def test_cli_ctrl_c_exits_130_with_the_text_so_far(tiny):
@@ -147,7 +150,7 @@ def test_cli_bad_model_or_flag_never_a_traceback(tiny, tmp_path, how):
     assert p.returncode == 1 and err.decode().startswith("error: ") and b"Traceback" not in err, err
     p = run_sample(["--model", str(tiny.path), "--top-p", "1.5"])
     _, err = p.communicate(timeout=120)
-    assert p.returncode == 2 and b"top_p" in err and b"Traceback" not in err, err
+    assert p.returncode == 2 and b"--top-p 1.5: must be a number in (0, 1]" in err and b"Traceback" not in err, err
     p = run_sample(["--model", str(tiny.path), "--device", "cpu", "--top-k", "2147483648", "--max-new-tokens", "3"])
     p.communicate(timeout=120)
     assert p.returncode == 0  # a k past the vocabulary is off

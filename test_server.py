@@ -354,3 +354,53 @@ def test_server_under_abuse(tiny):
     finally:
         proc.terminate()
         assert proc.wait(timeout=30) == 0
+
+
+LL_DOCS = [("The capital of France is", " Paris"), ("Once upon a", " time there was"), ("1, 2, 3,", " 4, 5")]
+GEN_DOCS = ["Question: what comes after one?\nAnswer:", "The weather today is"]
+
+
+def test_lm_eval_harness_against_the_server(server, tiny, tmp_path, monkeypatch):
+    """lm-evaluation-harness itself (local-completions, tokenized requests), on two tasks defined over local JSON
+    files: its loglikelihood answers equal transformers' log-likelihood of each continuation (fp32, within 1e-4) and
+    its greedy flag transformers' argmax; its generate_until answers are the engine's greedy texts up to the stop."""
+    import json as json_
+    import lm_eval
+    import torch
+    from lm_eval.tasks import TaskManager
+    from transformers import AutoTokenizer
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    url, llm = server
+    (tmp_path / "ll.jsonl").write_text("".join(json_.dumps({"context": c, "continuation": t}) + "\n"
+                                               for c, t in LL_DOCS))
+    (tmp_path / "gen.jsonl").write_text("".join(json_.dumps({"prompt": p, "answer": ""}) + "\n" for p in GEN_DOCS))
+    for task, kind, extra in (("nanoinfer_ll", "loglikelihood", 'doc_to_text: "{{context}}"\n'
+                               'doc_to_target: "{{continuation}}"\nmetric_list:\n  - metric: acc\n'),
+                              ("nanoinfer_gen", "generate_until", 'doc_to_text: "{{prompt}}"\ndoc_to_target: '
+                               '"{{answer}}"\ngeneration_kwargs:\n  until: ["\\n"]\n  max_gen_toks: 8\n'
+                               '  do_sample: false\n  temperature: 0\nmetric_list:\n  - metric: bypass\n')):
+        data = tmp_path / ("ll.jsonl" if kind == "loglikelihood" else "gen.jsonl")
+        (tmp_path / f"{task}.yaml").write_text(
+            f"task: {task}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\n"
+            f"test_split: test\noutput_type: {kind}\n{extra}")
+    results = lm_eval.simple_evaluate(
+        model="local-completions", tasks=["nanoinfer_ll", "nanoinfer_gen"], task_manager=TaskManager(
+            include_path=str(tmp_path)), log_samples=True, model_args=(
+            f"model=tiny,base_url={url}/v1/completions,tokenizer={tiny.path},tokenizer_backend=huggingface,"
+            "tokenized_requests=True,num_concurrent=1,max_retries=1,max_length=128"))
+    tok = AutoTokenizer.from_pretrained(tiny.path)
+    for sample in results["samples"]["nanoinfer_ll"]:
+        context, continuation = sample["doc"]["context"], sample["doc"]["continuation"]
+        ctx, whole = tok(context).input_ids, tok(context + continuation).input_ids
+        with torch.no_grad():
+            logp = torch.log_softmax(tiny.hf(torch.tensor([whole])).logits[0], -1).numpy()
+        want = sum(logp[i - 1, whole[i]] for i in range(len(ctx), len(whole)))
+        greedy_ref = all(logp[i - 1].argmax() == whole[i] for i in range(len(ctx), len(whole)))
+        ll, is_greedy = sample["resps"][0][0]
+        assert abs(ll - want) < 1e-4 and is_greedy == greedy_ref, (context, ll, want)
+    for sample in results["samples"]["nanoinfer_gen"]:
+        ids = tok(sample["doc"]["prompt"]).input_ids
+        want = llm.generate([ids], SamplingParams(max_tokens=8, temperature=0, stop=["\n"]), use_tqdm=False)
+        assert sample["resps"][0][0] == want[0].outputs[0].text
+    wait_idle(url)
