@@ -4,6 +4,7 @@ serve.py runs in a subprocess on the tiny checkpoint (CPU, fp32) on a free port 
 engine in this process: each completion's text is what LLM.generate gives for the same prompt and settings; and after
 every test the server's engine holds no request and every KV block is free (its /metrics).
 """
+import json
 import subprocess
 import sys
 import threading
@@ -287,6 +288,38 @@ def test_server_api_key_and_port_in_use(tiny):
     finally:
         proc.terminate()
         assert proc.wait(timeout=30) == 0
+
+
+def test_server_slow_reader_holds_up_no_one(server):
+    """A client that leaves its stream unread while 8 others run (16 samples of 100 tokens wait in the buffers): the 8
+    finish with their solo texts meanwhile; then it reads on and gets all of its own."""
+    import socket as socket_
+
+    import httpx
+    url, llm = server
+    host, port = url.removeprefix("http://").split(":")
+    body = json.dumps({"model": "tiny", "prompt": "x", "max_tokens": 100, "n": 16, "temperature": 0,
+                       "ignore_eos": True, "stream": True}).encode()
+    slow = socket_.create_connection((host, int(port)))
+    slow.setsockopt(socket_.SOL_SOCKET, socket_.SO_RCVBUF, 4096)
+    slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    first = slow.recv(64)
+    assert first.startswith(b"HTTP/1.1 200")
+    prompts = [f"Beside {i}:" for i in range(8)]
+    want = [o.outputs[0].text for o in llm.generate(prompts, greedy(20), use_tqdm=False)]
+    got = [httpx.post(url + "/v1/completions", timeout=60, json={
+        "model": "tiny", "prompt": p, "max_tokens": 20, "temperature": 0, "ignore_eos": True}).json()[
+        "choices"][0]["text"] for p in prompts]
+    assert got == want
+    rest = first
+    while b"data: [DONE]" not in rest:
+        chunk = slow.recv(65536)
+        assert chunk, "the slow reader's stream ended early"
+        rest += chunk
+    slow.close()
+    assert rest.count(b'"finish_reason": "length"') == 16
+    wait_idle(url)
 
 
 def engine_child(proc):
