@@ -66,6 +66,18 @@ class SamplingParams:
              "None or a dict {token id: bias in [-100, 100]}")))
 
 
+class TextDelta(str):
+    """A sample's new text in an event (a str), with the tokens sampled since its last event: token_ids and, with
+    logprobs, their logprobs (the text may lag them: what could start a stop string waits)."""
+    def __new__(cls, text, token_ids=(), logprobs=None):
+        delta = super().__new__(cls, text)
+        delta.token_ids, delta.logprobs = list(token_ids), logprobs
+        return delta
+
+    def __reduce__(self):  # pickled whole, across the server's pipe
+        return TextDelta, (str(self), self.token_ids, self.logprobs)
+
+
 @dataclass
 class Logprob:  # vLLM's: a token's log-probability under the model, its rank there (1: the most likely), its text
     logprob: float

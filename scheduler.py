@@ -16,6 +16,8 @@ waits first in line, to be recomputed from its tokens (prompt + output so far): 
 import codecs
 from collections import deque
 
+from sampling_params import TextDelta
+
 
 class Sequence:
     """One sample of a request: its tokens, how many of them the KV cache holds, and its text so far."""
@@ -36,6 +38,7 @@ class Sequence:
         self.prompt_logprobs = [None] if params.prompt_logprobs is not None and index == 0 else None
         self.text = ""
         self.num_streamed = 0  # characters of text already handed out by stream()
+        self.num_tokens_streamed = 0  # output tokens already handed out with them
         self._tokenizer = tokenizer
         # bytes of one character can be split across tokens: the decoder holds them back until complete
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -106,12 +109,12 @@ class Sequence:
     def checkpoint(self):
         """Everything a step changes in a sequence, to undo the step if it fails midway (see LLM._undo)."""
         return (len(self.token_ids), self.num_computed, self.finish_reason, self.stop_reason, self.error, self.text,
-                self.num_streamed, None if self.logprobs is None else len(self.logprobs),
+                (self.num_streamed, self.num_tokens_streamed), None if self.logprobs is None else len(self.logprobs),
                 None if self.prompt_logprobs is None else len(self.prompt_logprobs), self._utf8.getstate())
 
     def restore(self, state):
-        n, self.num_computed, self.finish_reason, self.stop_reason, self.error, self.text, self.num_streamed, \
-            n_logprobs, n_prompt_logprobs, utf8 = state
+        n, self.num_computed, self.finish_reason, self.stop_reason, self.error, self.text, \
+            (self.num_streamed, self.num_tokens_streamed), n_logprobs, n_prompt_logprobs, utf8 = state
         del self.token_ids[n:]
         if n_logprobs is not None:
             del self.logprobs[n_logprobs:]
@@ -120,14 +123,16 @@ class Sequence:
         self._utf8.setstate(utf8)
 
     def new_text(self):
-        """Text not yet streamed. While running, hold back what could still become the start of a stop string."""
+        """Text not yet streamed (while running, what could still become the start of a stop string waits), as a
+        TextDelta holding the tokens sampled since the last call."""
         end = len(self.text)
         if self.finish_reason is None and self.params.stop:
             end -= max(map(len, self.params.stop)) - 1
-        if end <= self.num_streamed:
-            return ""
-        delta, self.num_streamed = self.text[self.num_streamed:end], end
-        return delta
+        end = max(end, self.num_streamed)
+        text, self.num_streamed = self.text[self.num_streamed:end], end
+        first, self.num_tokens_streamed = self.num_tokens_streamed, self.num_output
+        return TextDelta(text, self.token_ids[len(self.prompt_token_ids) + first:],
+                         None if self.logprobs is None else self.logprobs[first:])
 
 
 class Scheduler:

@@ -23,6 +23,7 @@ import socket
 import sys
 import time
 import uuid
+from collections import Counter
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -142,8 +143,8 @@ def parse_completion(body, model_name, engine):
     if echo and kw.get("logprobs") is not None:
         kw["prompt_logprobs"] = kw["logprobs"]
     params = sampling_params(kw, body, prompts, engine.config.n_ctx)
-    if body.get("stream") and params.logprobs is not None:
-        raise BadRequest("`logprobs` is supported without `stream` only, for now", "logprobs")
+    if body.get("stream") and echo:
+        raise BadRequest("`echo` is supported without `stream` only", "echo")
     return Asked(prompts, params, body.get("stream", False), echo, drop, include_usage, params.logprobs)
 
 
@@ -174,8 +175,6 @@ def parse_chat(body, model_name, engine, template):
     if body.get("logprobs"):
         kw["logprobs"] = body.get("top_logprobs") or 0
     params = sampling_params(kw, body, prompts, engine.config.n_ctx)
-    if body.get("stream") and params.logprobs is not None:
-        raise BadRequest("`logprobs` is supported without `stream` only, for now", "logprobs")
     return Asked(prompts, params, body.get("stream", False), include_usage=include_usage, k=params.logprobs)
 
 
@@ -235,12 +234,16 @@ def completion_choice(engine, asked, index, out, sample):
             "logprobs": None if asked.k is None else completion_logprobs(engine.tokenizer, entries)}
 
 
-def chat_choice(engine, asked, index, out, sample):
+def chat_logprobs(token_ids, logprobs):
+    """OpenAI's chat log-probs: per token, it and its top_logprobs (the k most likely, and it)."""
     def entry(x):
         return {"token": x.decoded_token, "logprob": x.logprob, "bytes": list(x.decoded_token.encode())}
-    logprobs = None if asked.k is None else {"content": [
-        {**entry(lp[t]), "top_logprobs": [entry(x) for x in sorted(lp.values(), key=lambda x: x.rank)]}
-        for t, lp in zip(sample.token_ids, sample.logprobs)]}
+    return {"content": [{**entry(lp[t]), "top_logprobs": [entry(x) for x in sorted(lp.values(), key=lambda x: x.rank)]}
+                        for t, lp in zip(token_ids, logprobs)]}
+
+
+def chat_choice(engine, asked, index, out, sample):
+    logprobs = None if asked.k is None else chat_logprobs(sample.token_ids, sample.logprobs)
     return {"index": index, "message": {"role": "assistant", "content": sample.text}, "logprobs": logprobs,
             "finish_reason": sample.finish_reason}
 
@@ -391,12 +394,20 @@ async def stream_events(engine, ids, queue, asked, head, kind):
     chat, n = kind == "chat", asked.params.n
     head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
 
+    offsets = Counter()  # characters of each choice's text streamed so far: its log-probs' text offsets
+
     def chunk(index, text, reason, role=False):
+        logprobs = None
+        if asked.k is not None and getattr(text, "token_ids", None):  # a TextDelta's tokens and their log-probs
+            entries = list(zip(text.token_ids, text.logprobs))
+            logprobs = chat_logprobs(*zip(*entries)) if chat else \
+                completion_logprobs(engine.tokenizer, entries, offsets[index])
+        offsets[index] += len(text)
         if chat:
             delta = {"role": "assistant", "content": text} if role else {"content": text} if text or not reason else {}
-            body = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
+            body = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
         else:
-            body = {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
+            body = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
         return "data: " + json.dumps({**head, "choices": [body]}) + "\n\n"
     try:
         remaining, outs = len(ids), []
@@ -405,7 +416,7 @@ async def stream_events(engine, ids, queue, asked, head, kind):
         while remaining:
             text = []
             for i, sample, delta, out in await next_events(queue):
-                if delta:
+                if delta or getattr(delta, "token_ids", None) and asked.k is not None:
                     text.append(chunk(i * n + sample, delta, None))
                 if out is not None:
                     remaining -= 1

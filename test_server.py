@@ -92,6 +92,12 @@ def test_server_completions_like_generate(server):
         assert got.tokens == [want.logprobs[i][t].decoded_token for i, t in enumerate(want.token_ids)]
         assert got.token_logprobs == pytest.approx([lp[t].logprob for lp, t in zip(want.logprobs, want.token_ids)])
         assert all(tok in top and k <= len(top) <= k + 1 for tok, top in zip(got.tokens, got.top_logprobs))
+        streamed = [c.choices[0].logprobs for c in client.completions.create(
+            model="tiny", prompt="Hi", max_tokens=3, temperature=0.9, seed=5, logprobs=k, stream=True,
+            extra_body={"ignore_eos": True}) if c.choices[0].logprobs]  # the same, a chunk's tokens each
+        assert sum((lp.tokens for lp in streamed), []) == got.tokens
+        assert sum((lp.token_logprobs for lp in streamed), []) == pytest.approx(got.token_logprobs)
+        assert sum((lp.text_offset for lp in streamed), []) == got.text_offset
     wait_idle(url)
 
 
@@ -243,6 +249,11 @@ def test_server_chat_completions(server):
                                         logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
     for entry in lp.choices[0].logprobs.content:
         assert entry.token in [t.token for t in entry.top_logprobs] and 2 <= len(entry.top_logprobs) <= 3
+    streamed = sum((c.choices[0].logprobs.content for c in client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=4, temperature=0.7, seed=2, logprobs=True, top_logprobs=2,
+        stream=True, extra_body={"ignore_eos": True}) if c.choices and c.choices[0].logprobs), [])
+    assert [(e.token, round(e.logprob, 6)) for e in streamed] == \
+        [(e.token, round(e.logprob, 6)) for e in lp.choices[0].logprobs.content]
 
     async def streamed():
         stream = await AsyncOpenAI(base_url=url + "/v1", api_key="none").completions.create(
