@@ -127,16 +127,16 @@ def stream_to_terminal(llm, prompts, params):
     try:
         for i, j, delta, finished in llm.stream(prompts, params):
             pending[i * n + j].append(delta)
+            n_tokens += len(getattr(delta, "token_ids", ()))  # a TextDelta: the tokens it came from
             if finished is not None and finished.error:
                 what = "refused" if finished.request_id is None else "failed"
                 if finished.request_id is None:
                     refused.add(i)
                 print(f"error: prompt {i + 1} {what}: {finished.error}", file=sys.stderr)
                 failed += 1
-            elif finished is None:  # an event carries a run of tokens (up to 16 with CUDA graphs): counted at the end
+            elif finished is None:  # an event carries a run of tokens (up to 16 with CUDA graphs)
                 t_first = t_first or time.perf_counter()
             if finished is not None:
-                n_tokens += sum(len(c.token_ids) for c in finished.outputs)
                 for k in range(i * n, i * n + n):
                     done[k] = True
                 for c in finished.outputs:

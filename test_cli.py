@@ -7,6 +7,7 @@ on a closed pipe).
 """
 import ast
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import sys
 import pytest
 
 from conftest import BAD_CONFIGS, HERE, _corrupt, _edit_config
+from nanoinfer import LLM, SamplingParams
 
 
 def run_sample(args, patch="", timeout=120, **popen):
@@ -117,6 +119,11 @@ def test_cli_ctrl_c_exits_130_with_the_text_so_far(tiny):
     out, err = (s.decode() for s in p.communicate(timeout=120))
     assert p.returncode == 130 and "Traceback" not in err, err
     assert (first + out).startswith("Hello") and "[interrupted]" in out
+    printed = (first + out).split("\n[interrupted]")[0][len("Hello"):]  # the closing line counts these tokens
+    count = int(re.search(r"(\d+) tokens in", err).group(1))
+    llm = LLM(str(tiny.path), device="cpu")
+    want = llm.generate(["Hello"], SamplingParams(max_tokens=120, temperature=0), use_tqdm=False)[0].outputs[0]
+    assert 0 < count < 120 and llm.tokenizer.decode(want.token_ids[:count]).startswith(printed), (count, printed)
 
 
 def test_cli_ctrl_c_while_loading(tiny):
