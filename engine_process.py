@@ -61,7 +61,8 @@ def engine_main(engine_args, conn):
                     del key_of[rid_of.pop(key)]
             s = llm.scheduler
             conn.send(("events", events, dict(free=llm.kv.num_free_blocks(), total=llm.kv.num_blocks,
-                                              running=len(s.running), waiting=len(s.waiting))))
+                                              running=len(s.running), waiting=len(s.waiting),
+                                              prefix_queries=llm.kv.queries, prefix_hits=llm.kv.hits)))
     except (EOFError, OSError, KeyboardInterrupt):  # the server is gone
         return
 
@@ -87,7 +88,8 @@ class EngineProcess:
         self.tokenizer = Tokenizer(self.model_dir, self.config.vocab_size)
         self.kv = types.SimpleNamespace(num_blocks=info["num_blocks"], block_size=info["block_size"],
                                         blocks_needed=lambda n: -(-n // info["block_size"]))  # for refuse_request
-        self.stats = dict(free=info["num_blocks"], total=info["num_blocks"], running=0, waiting=0)
+        self.stats = dict(free=info["num_blocks"], total=info["num_blocks"], running=0, waiting=0, prefix_queries=0,
+                          prefix_hits=0)
         self.finished = Counter()  # samples finished, by finish_reason
         self.lock, self.queues, self.next_key, self.dead = threading.Lock(), {}, 0, None
         threading.Thread(target=self._read, name="engine-reader", daemon=True).start()

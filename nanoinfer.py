@@ -21,7 +21,8 @@ import numpy as np
 
 from checkpoint import Tokenizer, load_config, load_weights, resolve_model
 from paged_kv import PagedKVCache
-from sampling_params import CompletionOutput, Logprob, RequestOutput, SamplingParams, check_engine_arguments
+from sampling_params import (CompletionOutput, Logprob, RequestOutput, SamplingParams, check_engine_arguments,  # noqa
+                             logprobs_of, refuse_request)  # (Logprob: nanoinfer's API, as vLLM's)
 from scheduler import Scheduler, Sequence
 
 # -----------------------------------------------------------------------------
@@ -415,7 +416,8 @@ class Request:
                                     s.stop_reason)
         return RequestOutput(self.request_id, self.prompt, self.seqs[0].prompt_token_ids,
                              [completion(s) for s in self.seqs], self.finished,
-                             next((s.error for s in self.seqs if s.error), None), self.seqs[0].prompt_logprobs)
+                             next((s.error for s in self.seqs if s.error), None), self.seqs[0].prompt_logprobs,
+                             self.seqs[0].num_cached_tokens or 0)
 
 
 class LLM:
@@ -426,7 +428,8 @@ class LLM:
     the engine holds its lock (Exclusive), and each request's events go to the call that added it (its outbox)."""
     def __init__(self, model, device="auto", dtype=None, block_size=16, max_num_seqs=256,
                  max_num_batched_tokens=16384, num_kv_tokens=None, gpu_memory_utilization=0.9, seed=0,
-                 cuda_graphs=True, fused=True, num_scheduler_steps=16, dependent_launches=True, batch_invariant=False):
+                 cuda_graphs=True, fused=True, num_scheduler_steps=16, dependent_launches=True, batch_invariant=False,
+                 enable_prefix_caching=True):
         check_engine_arguments(locals())
         self.model_dir = path = resolve_model(model)
         self.config = c = load_config(path)
@@ -444,7 +447,7 @@ class LLM:
         self.model = GPT(c, weights, self.backend, self.tokenizer.n_vocab)
         blocks = PagedKVCache.pool_blocks(c, self.backend, num_kv_tokens, gpu_memory_utilization, max_num_seqs,
                                           block_size)
-        self.kv = PagedKVCache(self.backend, c.n_layer, c.n_head, c.head_dim, blocks, block_size)
+        self.kv = PagedKVCache(self.backend, c.n_layer, c.n_head, c.head_dim, blocks, block_size, enable_prefix_caching)
         log(f"KV cache: {blocks * block_size:,} tokens ({self.kv.nbytes / 2 ** 30:.2f} GiB), {blocks} blocks of "
             f"{block_size}; max_num_seqs={max_num_seqs} x n_ctx={c.n_ctx} is the most it can use")
         self.runner = ModelRunner(self.model, self.kv, cuda_graphs, num_scheduler_steps, max_num_seqs)
@@ -489,6 +492,12 @@ class LLM:
                 req.finish("abort", None, self.scheduler)
                 self._deliver(self._events(req.seqs))
 
+    def reset_prefix_cache(self):
+        """Forget the KV the prefix cache holds (vLLM's method): requests compute their prompts afresh."""
+        with self._exclusive():
+            self.kv.reset_prefix_cache()
+        return True
+
     def has_unfinished(self):
         """Whether requests wait or run, or step() has events to hand out (of requests another call's step finished)."""
         return self.scheduler.has_unfinished() or bool(self._step_outbox)
@@ -519,8 +528,10 @@ class LLM:
                 tokens, logits = self.runner.run(batch, seqs, launch_next=not self.scheduler.wants_admission())
                 for seq, n in scheduled:
                     seq.num_computed += n  # their K/V are in the cache now
-                self._add_prompt_logprobs(prompt_rows, logits, len(seqs))
+                add_prompt_logprobs(prompt_rows, logits, len(seqs), self.tokenizer)
                 events = self._postprocess(seqs, tokens, logits)
+                for seq, _ in scheduled:  # their full blocks, findable now (those that finished: when freed)
+                    self.kv.name_computed(seq.seq_id, seq.token_ids, seq.num_computed)
         except BaseException as e:
             self._undo(saved)
             if not isinstance(e, Exception) or not saved:  # an interrupt, or an error no request can be blamed for
@@ -547,13 +558,6 @@ class LLM:
         message = f"the engine step running this request failed: {type(error).__name__}: {error}"
         return self._events([ended for seq in saved
                              for ended in self._requests[seq.request_id].finish("error", message, self.scheduler, seq)])
-
-    def _add_prompt_logprobs(self, prompt_rows, logits, row):
-        for seq, span in prompt_rows:  # position p's logits (rows after the samplers') score prompt token p + 1
-            for p in span:
-                seq.prompt_logprobs.append(logprobs_of(logits[row], seq.prompt_token_ids[p + 1],
-                                                       seq.params.prompt_logprobs, self.tokenizer))
-                row += 1
 
     def _postprocess(self, seqs, tokens, logits):
         """Hand each sequence its tokens until one finishes it (the rest dropped, blocks freed): an event each."""
@@ -665,32 +669,14 @@ class Exclusive:
                 raise KeyboardInterrupt
 
 
-def logprobs_of(logits_row, token, k, tokenizer):
-    """{token id: Logprob} for the sampled token and the k most likely, under the model's own distribution (before
-    penalties, temperature, top-k and top-p), ranks counted from 1."""
-    logp = logits_row.astype(np.float64) - logits_row.max()
-    logp -= np.log(np.exp(logp).sum())
-    ties = np.flatnonzero(logp >= np.partition(logp, -k)[-k]) if k else np.zeros(0, int)  # the k largest, and ties
-    ranks = {int(t): r + 1 for r, t in enumerate(ties[np.argsort(-logp[ties], kind="stable")][:k])}
-    ranks.setdefault(token, int((logp > logp[token]).sum()) + 1)
-    return {t: Logprob(float(logp[t]), r, tokenizer.decode([t])) for t, r in ranks.items()}
-
-
-def refuse_request(ids, params, n_ctx, n_vocab, kv):
-    """ValueError, saying what to do, for a request that can never run: stop tokens past the vocabulary, a prompt
-    that leaves no room to generate, or more KV cache than the whole pool holds."""
-    if any(t >= n_vocab for t in params.stop_token_ids):
-        raise ValueError(f"SamplingParams.stop_token_ids={params.stop_token_ids}: token ids are < {n_vocab}")
-    if any(t >= n_vocab for t in params.logit_bias or {}):
-        raise ValueError(f"SamplingParams.logit_bias has token ids past the vocabulary: they are < {n_vocab}")
-    if len(ids) >= n_ctx:
-        raise ValueError(f"the prompt is {len(ids)} tokens, and this model's context is {n_ctx} tokens with at least "
-                         f"one to generate: shorten the prompt to at most {n_ctx - 1} tokens")
-    most_tokens = min(len(ids) + params.max_tokens, n_ctx)
-    if kv.blocks_needed(most_tokens) > kv.num_blocks:
-        raise ValueError(f"the request may need {most_tokens} tokens of KV cache, but the whole pool holds "
-                         f"{kv.num_blocks * kv.block_size}: lower max_tokens, or give the engine a larger pool "
-                         "(num_kv_tokens, gpu_memory_utilization)")
+def add_prompt_logprobs(prompt_rows, logits, row, tokenizer):
+    """Each (sequence, positions) its prompt log-probs: position p's logits (from `row` on, after the samplers')
+    score prompt token p + 1."""
+    for seq, span in prompt_rows:
+        for p in span:
+            seq.prompt_logprobs.append(logprobs_of(logits[row], seq.prompt_token_ids[p + 1],
+                                                   seq.params.prompt_logprobs, tokenizer))
+            row += 1
 
 
 def sample_seed(seed, index):

@@ -8,16 +8,26 @@ Token j of a sequence lives in slot block_table[j // block_size] * block_size + 
 Why pages: reserving n_ctx tokens for every sequence up front wastes most of the memory on tokens that
 never come (most requests stop long before the context limit). With pages, the waste is at most one
 partly-filled block per sequence, so many more sequences fit and the batch, and so the throughput, grows.
+
+Pages can also be reused across requests (automatic prefix caching, as vLLM has it): a full block is named by a
+hash of its tokens and of the block before it, so requests that start the same way find their first blocks computed.
+A freed block keeps its name and stays findable until a fresh block is needed, least recently freed first.
 """
+import hashlib
+from collections import OrderedDict
+
 import numpy as np
 
 
 class BlockAllocator:
-    """A free list of block ids with a reference count each (above 1: a prompt's block its n samples share)."""
+    """Block ids with a reference count each (above 1: shared by a prompt's samples, or by requests that start the
+    same way), and the free ones in the order they were freed, oldest first: the next handed out. A free block may
+    still hold a full block's KV under its hash (`cached`); it is forgotten only when handed out again."""
     def __init__(self, num_blocks):
         self.num_blocks = num_blocks
-        self.free = list(range(num_blocks - 1, -1, -1))  # a stack: pop() hands out block 0 first
+        self.free = OrderedDict.fromkeys(range(num_blocks))  # block 0 is handed out first
         self.ref_count = np.zeros(num_blocks, dtype=np.int32)
+        self.cached, self.hash_of = {}, {}  # hash -> block, and back
 
     def num_free(self):
         return len(self.free)
@@ -25,23 +35,51 @@ class BlockAllocator:
     def allocate(self):
         if not self.free:
             raise RuntimeError("KV cache is out of blocks")
-        block = self.free.pop()
+        block, _ = self.free.popitem(last=False)
+        if block in self.hash_of:  # evicted: its KV is about to be overwritten
+            del self.cached[self.hash_of.pop(block)]
         self.ref_count[block] = 1
         return block
+
+    def take(self, block):
+        """One more owner of a cached block (from the free list, if it was free)."""
+        if self.ref_count[block] == 0:
+            del self.free[block]
+        self.ref_count[block] += 1
 
     def release(self, block):
         if self.ref_count[block] <= 0:
             raise RuntimeError(f"block {block} released twice")
         self.ref_count[block] -= 1
         if self.ref_count[block] == 0:
-            self.free.append(block)
+            self.free[block] = None
+
+    def name(self, block, block_hash):
+        """A full block's KV is computed: it is findable under its hash (unless another block already is)."""
+        if block_hash not in self.cached and block not in self.hash_of:
+            self.cached[block_hash], self.hash_of[block] = block, block_hash
+
+
+def block_hashes(token_ids, block_size, n, known=()):
+    """The hashes of the first n full blocks, after the `known` first ones: sha256 of the block before's hash and this
+    block's token ids. A collision would hand a request another's KV; with sha256 (vLLM's choice too) it is not a
+    practical risk, so a hit is not checked against the tokens."""
+    hashes, parent = list(known), known[-1] if known else b""
+    for i in range(len(known), n):
+        parent = hashlib.sha256(parent + np.asarray(token_ids[i * block_size:(i + 1) * block_size],
+                                                   np.int64).tobytes()).digest()
+        hashes.append(parent)
+    return hashes
 
 
 class PagedKVCache:
     """The cache tensors of every layer, and the block tables that say where each sequence's tokens live."""
-    def __init__(self, backend, n_layer, n_head, head_dim, num_blocks, block_size=16):
+    def __init__(self, backend, n_layer, n_head, head_dim, num_blocks, block_size=16, enable_prefix_caching=True):
         self.block_size, self.num_blocks = block_size, num_blocks
         self.allocator = BlockAllocator(num_blocks)
+        self.enable_prefix_caching = enable_prefix_caching
+        self.named = {}  # seq_id -> the hashes of its first blocks, those named so far
+        self.queries = self.hits = 0  # prompt tokens looked up in the prefix cache, and found
         shape = (num_blocks, block_size, n_head, head_dim)
         self.k = [backend.zeros(shape) for _ in range(n_layer)]
         self.v = [backend.zeros(shape) for _ in range(n_layer)]
@@ -97,8 +135,47 @@ class PagedKVCache:
         self.block_tables[child_id] = list(table)
 
     def free(self, seq_id):
-        for block in self.block_tables.pop(seq_id, ()):
+        """Release seq_id's blocks, its last first: of one request, the last blocks are forgotten before the first."""
+        self.named.pop(seq_id, None)
+        for block in reversed(self.block_tables.pop(seq_id, ())):
             self.allocator.release(block)
+
+    def take_cached(self, seq_id, token_ids):
+        """A sequence with no blocks yet starts with the cached blocks of its first tokens, up to the block holding its
+        last token (which it must compute, to sample from its logits): how many tokens they hold."""
+        if not self.enable_prefix_caching or seq_id in self.block_tables:
+            return 0
+        table, named = [], []
+        for i in range((len(token_ids) - 1) // self.block_size):  # hashed one block at a time, to the first miss
+            h = block_hashes(token_ids, self.block_size, i + 1, named)[-1]
+            if h not in self.allocator.cached:
+                break
+            table.append(self.allocator.cached[h])
+            self.allocator.take(table[-1])
+            named.append(h)
+        self.queries += len(token_ids)
+        self.hits += len(table) * self.block_size
+        if table:
+            self.block_tables[seq_id], self.named[seq_id] = table, named
+        return len(table) * self.block_size
+
+    def name_computed(self, seq_id, token_ids, num_computed):
+        """Name seq_id's full blocks whose KV is computed (the first num_computed tokens): findable from now on."""
+        table = self.block_tables.get(seq_id)
+        if not self.enable_prefix_caching or table is None:
+            return
+        named, n = self.named.setdefault(seq_id, []), min(num_computed // self.block_size, len(table))
+        if n <= len(named):  # most steps: no block filled
+            return
+        for block, h in zip(table[len(named):n], block_hashes(token_ids, self.block_size, n, named)[len(named):]):
+            self.allocator.name(block, h)
+            named.append(h)
+
+    def reset_prefix_cache(self):
+        """Forget every cached block (vLLM's reset_prefix_cache): nothing is found until computed again."""
+        self.allocator.cached.clear()
+        self.allocator.hash_of.clear()
+        self.named.clear()
 
     def slot_mapping(self, block_tables, rows, positions):
         """Each token's cache slot: token t, sequence rows[t]'s positions[t], is in block_tables[rows[t], pos // bs]."""

@@ -105,6 +105,7 @@ class RequestOutput:  # as vLLM's, and `error`: why a request failed or was refu
     finished: bool = True
     error: str = None
     prompt_logprobs: list = None  # with prompt_logprobs=k: None for the first prompt token, then as logprobs
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
     @classmethod
     def refused(cls, prompt, error):
@@ -123,7 +124,7 @@ def check_engine_arguments(args):
         ("seed", args["seed"], is_int(args["seed"], 0), "an integer >= 0"),
         ("dtype", args["dtype"], args["dtype"] in (None, "float16", "float32", np.float16, np.float32),
          "float16 or float32")] + [(name, args[name], isinstance(args[name], bool), "True or False") for name in (
-            "cuda_graphs", "fused", "dependent_launches", "batch_invariant")])
+            "cuda_graphs", "fused", "dependent_launches", "batch_invariant", "enable_prefix_caching")])
 
 
 def is_int(v, lo, hi=math.inf):
@@ -139,3 +140,31 @@ def refuse_bad(owner, checks):
     for name, value, ok, rule in checks:
         if not ok:
             raise ValueError(f"{owner}.{name}={value!r}: must be {rule}")
+
+
+def logprobs_of(logits_row, token, k, tokenizer):
+    """{token id: Logprob} for the sampled token and the k most likely, under the model's own distribution (before
+    penalties, temperature, top-k and top-p), ranks counted from 1."""
+    logp = logits_row.astype(np.float64) - logits_row.max()
+    logp -= np.log(np.exp(logp).sum())
+    ties = np.flatnonzero(logp >= np.partition(logp, -k)[-k]) if k else np.zeros(0, int)  # the k largest, and ties
+    ranks = {int(t): r + 1 for r, t in enumerate(ties[np.argsort(-logp[ties], kind="stable")][:k])}
+    ranks.setdefault(token, int((logp > logp[token]).sum()) + 1)
+    return {t: Logprob(float(logp[t]), r, tokenizer.decode([t])) for t, r in ranks.items()}
+
+
+def refuse_request(ids, params, n_ctx, n_vocab, kv):
+    """ValueError, saying what to do, for a request that can never run: stop tokens past the vocabulary, a prompt
+    that leaves no room to generate, or more KV cache than the whole pool holds."""
+    if any(t >= n_vocab for t in params.stop_token_ids):
+        raise ValueError(f"SamplingParams.stop_token_ids={params.stop_token_ids}: token ids are < {n_vocab}")
+    if any(t >= n_vocab for t in params.logit_bias or {}):
+        raise ValueError(f"SamplingParams.logit_bias has token ids past the vocabulary: they are < {n_vocab}")
+    if len(ids) >= n_ctx:
+        raise ValueError(f"the prompt is {len(ids)} tokens, and this model's context is {n_ctx} tokens with at least "
+                         f"one to generate: shorten the prompt to at most {n_ctx - 1} tokens")
+    most_tokens = min(len(ids) + params.max_tokens, n_ctx)
+    if kv.blocks_needed(most_tokens) > kv.num_blocks:
+        raise ValueError(f"the request may need {most_tokens} tokens of KV cache, but the whole pool holds "
+                         f"{kv.num_blocks * kv.block_size}: lower max_tokens, or give the engine a larger pool "
+                         "(num_kv_tokens, gpu_memory_utilization)")

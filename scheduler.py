@@ -33,6 +33,7 @@ class Sequence:
         self.finish_reason = None
         self.stop_reason = None  # the stop string or stop token id that ended it
         self.error = None  # why, when finish_reason is 'error'
+        self.num_cached_tokens = None  # at its first admission: the tokens whose KV the prefix cache held
         self.logprobs = [] if params.logprobs is not None else None
         # the first sample computes the prompt's log-probs (the others share its KV): None for its first token
         self.prompt_logprobs = [None] if params.prompt_logprobs is not None and index == 0 else None
@@ -68,6 +69,10 @@ class Sequence:
             self.finish("stop", stop_reason=stop_string or (token if token in p.stop_token_ids else None))
         elif self.num_output >= p.max_tokens or len(self.token_ids) >= n_ctx:
             self.finish("length")
+
+    @property
+    def wants_prompt_logprobs(self):  # some still to compute: it computes its whole prompt (no prefix cache)
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)
 
     def prompt_logprob_span(self, n):
         """The positions, of the n this step computes, whose next token is a prompt token not yet given a log-prob:
@@ -182,6 +187,9 @@ class Scheduler:
         admit = admit and self.wants_admission() and not preempted
         while admit and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]  # its num_computed is 0, or a prompt's blocks it shares (Request.fork)
+            if seq.num_computed == 0 and not seq.wants_prompt_logprobs:  # its first blocks, if the prefix cache has them
+                seq.num_computed = self.kv.take_cached(seq.seq_id, seq.token_ids)
+                seq.num_cached_tokens = seq.num_computed if seq.num_cached_tokens is None else seq.num_cached_tokens
             n = min(seq.num_uncomputed, budget)
             if not self._fits(seq, seq.num_computed + n):
                 break
@@ -215,9 +223,11 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def remove(self, seq):
-        """Take a sequence out of the queues (finished, aborted or failed) and free its blocks."""
+        """Take a sequence out of the queues (finished, aborted or failed) and free its blocks, those it computed
+        full staying findable in the prefix cache."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        self.kv.name_computed(seq.seq_id, seq.token_ids, seq.num_computed)
         self.kv.free(seq.seq_id)

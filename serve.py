@@ -32,7 +32,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException
 
 from engine_process import EngineProcess
-from nanoinfer import SamplingParams, log, refuse_request
+from nanoinfer import log
+from sampling_params import SamplingParams, refuse_request
 
 # OpenAI's fields, and vLLM's extra sampling fields, as SamplingParams takes them
 SAMPLING_FIELDS = ("n", "max_tokens", "temperature", "top_p", "stop", "seed", "presence_penalty",
@@ -205,7 +206,8 @@ def load_chat_template(path, model_dir):
 def usage(outs, asked):
     prompt = sum(len(o.prompt_token_ids) for o in outs)
     completion = 0 if asked.drop_output else sum(len(c.token_ids) for o in outs for c in o.outputs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outs)}}
 
 
 def completion_logprobs(tokenizer, entries, offset=0):
@@ -307,7 +309,9 @@ def make_app(engine, model_name, chat_template=None, api_key=None):
         return PlainTextResponse(f"nanoinfer_kv_blocks_free {s['free']}\n"
                                  f"nanoinfer_kv_blocks_total {s['total']}\n"
                                  f"nanoinfer_requests_running {s['running']}\n"
-                                 f"nanoinfer_requests_waiting {s['waiting']}\n" +
+                                 f"nanoinfer_requests_waiting {s['waiting']}\n"
+                                 f"nanoinfer_prefix_cache_queries_total {s['prefix_queries']}\n"
+                                 f"nanoinfer_prefix_cache_hits_total {s['prefix_hits']}\n" +
                                  "".join(f'nanoinfer_samples_finished{{reason="{reason}"}} {n}\n'
                                          for reason, n in finished))
 

@@ -15,7 +15,7 @@ import cuda_backend
 import nanoinfer as ni
 from conftest import EXACT_DEVICES, SAMPLED, check_kv, greedy, make_llm, random_ids, solo, solo_prompt_logprobs
 from nanoinfer import SamplingParams
-from paged_kv import BlockAllocator, PagedKVCache
+from paged_kv import BlockAllocator, PagedKVCache, block_hashes
 from scheduler import Sequence
 
 
@@ -34,6 +34,37 @@ def test_block_allocator():
     with pytest.raises(RuntimeError):
         a.release(got[2])
     assert a.allocate() == got[2]
+
+
+def test_prefix_cache_blocks():
+    """The prefix cache's blocks: a full computed block is named by its hash chain and found again by another
+    sequence with the same first tokens (not past the block holding its last token, nor a block still partial); a
+    freed named block stays findable until handed out, the least recently freed first and, of one sequence, its last
+    blocks first; a block found while free leaves the free list; reset forgets every name."""
+    kv = PagedKVCache(ni.NumpyBackend(), n_layer=1, n_head=1, head_dim=4, num_blocks=8, block_size=4)
+    a = list(range(100, 111))  # 11 tokens: blocks of 4, 4, 3
+    kv.grow("a", 11)
+    kv.name_computed("a", a, 11)  # the third block is partial: not named
+    assert len(kv.allocator.cached) == 2 and kv.named["a"] == block_hashes(a, 4, 2)
+    assert kv.take_cached("b", a[:8] + [7, 7]) == 8 and kv.block_tables["b"] == kv.block_tables["a"][:2]
+    assert kv.take_cached("c", a[:8]) == 4  # its last token's block it computes itself
+    assert kv.take_cached("d", [9] + a[1:8]) == 0 and "d" not in kv.block_tables  # the chain: block 2 needs block 1
+    assert list(kv.allocator.ref_count[kv.block_tables["a"]]) == [3, 2, 1]
+    for s in ("b", "c"):
+        kv.free(s)
+    table = kv.block_tables["a"]
+    kv.free("a")
+    check_kv(kv)
+    assert kv.allocator.num_free() == 8 and list(kv.allocator.free)[-3:] == table[::-1]  # last block freed first
+    assert kv.take_cached("e", a) == 8 and kv.allocator.num_free() == 6  # found while free: off the free list
+    kv.free("e")
+    got = [kv.allocator.allocate() for _ in range(6)]  # the never-used blocks first, then the last block freed
+    assert table[0] not in got and table[1] not in got and len(kv.allocator.cached) == 2
+    kv.allocator.allocate()  # now the oldest named block, a's second (freed before its first): it is forgotten
+    assert kv.take_cached("f", a) == 4
+    kv.reset_prefix_cache()
+    assert kv.take_cached("g", a) == 0 and not kv.allocator.cached
+    assert (kv.queries, kv.hits) == (10 + 8 + 8 + 11 + 11 + 11, 8 + 4 + 8 + 4)
 
 
 def test_paged_kv_tables_and_slots():
@@ -94,9 +125,9 @@ STRESS_EXAMPLES = int(os.environ.get("NANOINFER_STRESS_EXAMPLES", 20))  # raised
        slack=st.sampled_from([0, 0, 1, 16, 64]), max_batched=st.sampled_from([3, 8, 32, 2048]),
        max_seqs=st.sampled_from([1, 2, 256]))
 def test_stress_every_request_gets_its_solo_output(tiny, dev, reqs, block_size, slack, max_batched, max_seqs):
-    """Random requests (greedy or seeded sampling, a quarter with prompt log-probs) arriving while others run, some
-    aborted at a random step, on random pools (down to the smallest that fits the largest request), block sizes and
-    budgets: every request finishes with its solo output (an aborted one: a prefix of it) and its prompt log-probs
+    """Random requests (greedy or seeded sampling, a quarter with prompt log-probs, a third opening alike: the prefix
+    cache on) arriving while others run, some aborted at a random step, on random pools (down to the smallest that
+    fits the largest request), block sizes and budgets: every request finishes with its solo output (an aborted one: a prefix of it) and its prompt log-probs
     (each prompt token's once, within 1e-4 of solo's), the allocator invariants hold after every step, and no block
     leaks."""
     work = []
@@ -104,7 +135,10 @@ def test_stress_every_request_gets_its_solo_output(tiny, dev, reqs, block_size, 
         extra = dict(n=n, prompt_logprobs=1 if seed % 4 == 0 else None)
         params = SamplingParams(seed=seed, **extra, **{**SAMPLED, "max_tokens": max_tokens}) if sampled else \
             greedy(max_tokens, **extra)
-        work.append((arrival, random_ids(length, seed), params, abort))
+        ids = random_ids(length, seed)
+        if seed % 3 == 1:  # a third open with the same 24 tokens: the prefix cache shares their blocks
+            ids = (random_ids(24, 7) + ids)[:length]
+        work.append((arrival, ids, params, abort))
     biggest = max(-(-(len(p) + q.max_tokens) // block_size) for _, p, q, _ in work) * block_size
     llm = make_llm(tiny, dev, block_size=block_size, num_kv_tokens=biggest + slack,
                    max_num_batched_tokens=max_batched, max_num_seqs=max_seqs)
@@ -138,3 +172,4 @@ def test_stress_every_request_gets_its_solo_output(tiny, dev, reqs, block_size, 
             assert all(abs(g[t].logprob - w[t].logprob) < 1e-4 for g, w, t in zip(got[1:], want[1:], prompt[1:]))
     assert llm.kv.allocator.num_free() == llm.kv.num_blocks
     target(float(llm.scheduler.num_preemptions), label="preemptions")  # steer the search toward pressure
+    target(float(llm.kv.hits), label="prefix cache hits")  # and toward shared blocks

@@ -243,6 +243,35 @@ def test_prompt_logprobs_match_transformers(tiny, dev, greedy_cases, how):
     assert llm.kv.allocator.num_free() == llm.kv.num_blocks
 
 
+@pytest.mark.parametrize("dev", EXACT_DEVICES)
+def test_prefix_caching_changes_no_output(tiny, dev):
+    """Requests that share a 40-token prefix (blocks of 16), one after another: the later ones start from the first's
+    cached blocks (num_cached_tokens 32: the prefix's full blocks), a repeated prompt from all but the block of its
+    last token (48 of 49), and
+    every output, greedy and seeded, and every log-prob is what the cache off gives, bitwise with batch_invariant; a
+    pool too small to keep them evicts, and reset_prefix_cache forgets; every block is free at the end."""
+    prefix = random_ids(40, 1)
+    prompts = [prefix + random_ids(9, 10 + i) for i in range(3)] + [prefix + random_ids(9, 10)]
+    params = [greedy(8, logprobs=2), SamplingParams(**{**SAMPLED, "max_tokens": 8}, seed=3, logprobs=2)]
+    outs = {}
+    for on in (False, True):
+        llm = make_llm(tiny, dev, enable_prefix_caching=on, batch_invariant=True)
+        outs[on] = [llm.generate([p], q, use_tqdm=False)[0] for p in prompts for q in params]  # one at a time
+        if on:
+            assert [o.num_cached_tokens for o in outs[on]] == [0, 48, 32, 48, 32, 48, 48, 48]
+            assert llm.kv.hits == 304 and llm.reset_prefix_cache()
+            assert llm.generate([prompts[0]], params[0], use_tqdm=False)[0].num_cached_tokens == 0
+        assert llm.kv.allocator.num_free() == llm.kv.num_blocks
+    same = lambda a, b: a.token_ids == b.token_ids and [{t: x.logprob for t, x in lp.items()} for lp in a.logprobs] == \
+        [{t: x.logprob for t, x in lp.items()} for lp in b.logprobs]
+    assert all(same(a.outputs[0], b.outputs[0]) for a, b in zip(outs[False], outs[True]))
+    small = make_llm(tiny, dev, num_kv_tokens=64, block_size=16)  # 4 blocks: the next prompt evicts the first's
+    first = small.generate([prompts[0]], greedy(8), use_tqdm=False)[0]
+    small.generate([random_ids(50, 99)], greedy(8), use_tqdm=False)
+    again = small.generate([prompts[0]], greedy(8), use_tqdm=False)[0]
+    assert again.num_cached_tokens == 0 and again.outputs[0].token_ids == first.outputs[0].token_ids
+
+
 def test_stream_matches_generate(tiny, dev, greedy_cases):
     """llm.stream's deltas, per prompt, concatenate to generate()'s text; each finishes exactly once, last."""
     prompts = [p for p, _, _ in greedy_cases[:3]]

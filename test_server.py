@@ -72,6 +72,14 @@ def test_server_completions_like_generate(server):
     assert got.choices[0].text == want.text and got.choices[0].finish_reason == "length"
     assert got.usage.completion_tokens == 12
     assert got.usage.prompt_tokens == len(llm.tokenizer.encode("Hello, my name is"))
+    long = "The quick brown fox jumps over the lazy dog. " * 4  # 41 tokens: 2 full blocks of 16 to find again
+    before = server_metrics(url)
+    first, again = (client.completions.create(model="tiny", prompt=long, max_tokens=2) for _ in range(2))
+    assert (first.usage.prompt_tokens_details.cached_tokens, again.usage.prompt_tokens_details.cached_tokens) == (0, 32)
+    after = server_metrics(url)
+    assert after["nanoinfer_prefix_cache_hits_total"] - before["nanoinfer_prefix_cache_hits_total"] == 32
+    assert after["nanoinfer_prefix_cache_queries_total"] - before["nanoinfer_prefix_cache_queries_total"] == \
+        2 * first.usage.prompt_tokens
     chunks = list(client.completions.create(model="tiny", prompt="Hello, my name is", max_tokens=12, temperature=0,
                                             stream=True, extra_body={"ignore_eos": True}))
     assert "".join(c.choices[0].text for c in chunks) == want.text
