@@ -69,6 +69,40 @@ def batch_invariance_cost(path, device, workloads, repeats, **engine):
                        workloads, repeats)
 
 
+def prefix_caching_lesson(path, device, repeats, **engine):
+    """enable_prefix_caching on against off, one engine each, alternating, fresh tokens every run (so that only what
+    the run itself shares is found): time to first token of a 1000-token prompt whose first 900 tokens an earlier
+    request left cached; offline tok/s of 256 requests sharing a 512-token prefix, and the prompt tokens the cache
+    served; and of 256 sharing nothing (the cache's cost)."""
+    rng = np.random.default_rng(7)
+    fresh = lambda n: rng.integers(0, 50000, n).tolist()
+    llms = {on: LLM(str(path), device=device, enable_prefix_caching=on, **engine) for on in (True, False)}
+    runs, served = {(on, what): [] for on in (True, False) for what in ("ttft", "shared", "alone")}, 0
+
+    def rate(llm, prompts):
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, greedy(128), use_tqdm=False)
+        return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t0)
+    for _ in range(repeats):
+        for on, llm in llms.items():
+            prefix = fresh(900)
+            llm.generate([prefix + fresh(50)], greedy(1), use_tqdm=False)  # leaves the prefix cached
+            t0 = time.perf_counter()
+            for _ in llm.stream([prefix + fresh(100)], greedy(1)):
+                runs[on, "ttft"].append((time.perf_counter() - t0) * 1e3)
+                break
+            hits, shared = llm.kv.hits, fresh(512)
+            runs[on, "shared"].append(rate(llm, [shared + fresh(64) for _ in range(256)]))
+            served = llm.kv.hits - hits if on else served  # (the last run's)
+            runs[on, "alone"].append(rate(llm, [fresh(576) for _ in range(256)]))
+    m = {key: float(np.median(v)) for key, v in runs.items()}
+    return (f"time to first token, 1000 tokens with 900 cached: {m[True, 'ttft']:.1f} ms against "
+            f"{m[False, 'ttft']:.1f} off; 256 requests sharing 512 tokens: {m[True, 'shared']:,.0f} tok/s against "
+            f"{m[False, 'shared']:,.0f} ({m[True, 'shared'] / m[False, 'shared']:.0%}), {served:,} prompt tokens "
+            f"({served // llms[True].kv.block_size:,} blocks) from the cache; sharing nothing: "
+            f"{m[True, 'alone']:,.0f} against {m[False, 'alone']:,.0f} ({m[True, 'alone'] / m[False, 'alone']:.1%})")
+
+
 def stage(what):
     print(f"bench: {what}", flush=True)
 
@@ -255,6 +289,8 @@ def bench_gpu(path, repeats):
         lessons[f"server: {clients} streaming clients, prompt 64 -> 128"] = server_load(
             path, offline, clients, gpu_memory_utilization=0.3)
     workloads = [("single stream", one, 256), ("offline", prompts, lens)]
+    lessons["prefix caching (enable_prefix_caching), on against off"] = prefix_caching_lesson(
+        path, "cuda", repeats, gpu_memory_utilization=0.2)
     lessons["sampling (T 0.8, top-k 50, top-p 0.95) against greedy, tok/s"] = a_against_b(
         lambda p, n: time_generate(llm, p, n, sampled)[0], lambda p, n: time_generate(llm, p, n)[0], workloads, 3)
     lessons["batch-invariant mode (one matmul tile and K split for every batch, every query in 64-key attention "
