@@ -271,6 +271,22 @@ def test_server_chat_completions(server):
     wait_idle(url)
 
 
+def test_langchain_chat_openai(server):
+    """LangChain's ChatOpenAI, pointed at the server, gets the engine's completion of the rendered messages, whole
+    and streamed."""
+    from langchain_core.messages import HumanMessage, SystemMessage
+    from langchain_openai import ChatOpenAI
+    url, llm = server
+    rendered = "system: Be brief.\n\nuser: Name a colour.\n\nassistant:"
+    want = llm.generate([rendered], greedy(8), use_tqdm=False)[0].outputs[0].text
+    chat = ChatOpenAI(base_url=url + "/v1", api_key="none", model="tiny", temperature=0, max_tokens=8,
+                      extra_body={"ignore_eos": True})
+    messages = [SystemMessage("Be brief."), HumanMessage("Name a colour.")]
+    assert chat.invoke(messages).content == want
+    assert "".join(chunk.content for chunk in chat.stream(messages)) == want
+    wait_idle(url)
+
+
 def test_chat_template_sources(tiny, tmp_path):
     """The chat template: a file given wins, else the model directory's own (tokenizer_config.json), else the plain
     default; a template's raise_exception refuses the messages with a 400."""
