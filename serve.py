@@ -5,7 +5,7 @@
   POST /v1/chat/completions   chat: the messages rendered by a chat template (--chat-template, the model's own, or
                               the plain default below), then a completion; whole or streamed
   GET  /v1/models[/{id}]      the one model served
-  POST /tokenize, /detokenize vLLM's: a prompt's token ids, and back
+  POST /tokenize, /detokenize vLLM's: a prompt's token ids, and back (GET /tokenizer_info: its special tokens)
   GET  /health, /metrics      200 while the engine runs; KV blocks and requests (Prometheus text)
 
 The engine runs in a process of its own (engine_process.py), stepping while any request is unfinished; each HTTP
@@ -335,6 +335,12 @@ def make_app(engine, model_name, chat_template=None, api_key=None):
         except BadRequest as e:
             return error_response(str(e), e.param, e.status)
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.config.n_ctx}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():  # vLLM's: what a remote tokenizer (lm-eval's) needs to know
+        eot = engine.tokenizer.decode([engine.tokenizer.eot_token])
+        return {"tokenizer_class": "GPT2Tokenizer", "eos_token": eot, "bos_token": eot, "pad_token": None,
+                "model_max_length": engine.config.n_ctx, "vocab_size": engine.tokenizer.n_vocab}
 
     @app.post("/detokenize")
     async def detokenize(request: Request):

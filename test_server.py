@@ -431,7 +431,8 @@ GEN_DOCS = ["Question: what comes after one?\nAnswer:", "The weather today is"]
 def test_lm_eval_harness_against_the_server(server, tiny, tmp_path, monkeypatch):
     """lm-evaluation-harness itself (local-completions, tokenized requests), on two tasks defined over local JSON
     files: its loglikelihood answers equal transformers' log-likelihood of each continuation (fp32, within 1e-4) and
-    its greedy flag transformers' argmax; its generate_until answers are the engine's greedy texts up to the stop."""
+    its greedy flag transformers' argmax; its generate_until answers are the engine's greedy texts up to the stop;
+    with the server's own tokenizer (lm-eval's remote backend) the same answers."""
     import json as json_
     import lm_eval
     import torch
@@ -471,4 +472,10 @@ def test_lm_eval_harness_against_the_server(server, tiny, tmp_path, monkeypatch)
         ids = tok(sample["doc"]["prompt"]).input_ids
         want = llm.generate([ids], SamplingParams(max_tokens=8, temperature=0, stop=["\n"]), use_tqdm=False)
         assert sample["resps"][0][0] == want[0].outputs[0].text
+    remote = lm_eval.simple_evaluate(  # the server's own tokenizer (/tokenizer_info, /tokenize, /detokenize)
+        model="local-completions", tasks=["nanoinfer_ll"], task_manager=TaskManager(include_path=str(tmp_path)),
+        log_samples=True, model_args=f"model=tiny,base_url={url}/v1/completions,tokenizer_backend=remote,"
+                                     "tokenized_requests=True,num_concurrent=1,max_retries=1,max_length=128")
+    assert [s["resps"] for s in remote["samples"]["nanoinfer_ll"]] == \
+        [s["resps"] for s in results["samples"]["nanoinfer_ll"]]
     wait_idle(url)
