@@ -308,14 +308,18 @@ def test_chat_template_sources(tiny, tmp_path):
 
 def test_server_api_key_and_port_in_use(tiny):
     """--api-key: /v1 routes answer 401 in OpenAI's shape without the bearer token (or with another), 200 with it;
-    /health stays open. A second server on the same port exits at once with 1, saying to pick another --port."""
+    /health stays open; --no-enable-prefix-caching: no prompt token comes from the cache. A second server on the same port exits at once with 1, saying to pick another --port."""
     import httpx
-    proc, url = start_server(tiny, "--api-key", "sekrit")
+    proc, url = start_server(tiny, "--api-key", "sekrit", "--no-enable-prefix-caching")
     try:
         for headers in ({}, {"authorization": "Bearer wrong"}):
             r = httpx.get(url + "/v1/models", headers=headers)
             assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
         assert httpx.get(url + "/v1/models", headers={"authorization": "Bearer sekrit"}).status_code == 200
+        body = {"model": "tiny", "prompt": "The quick brown fox jumps over the lazy dog. " * 4, "max_tokens": 2}
+        for _ in range(2):  # --no-enable-prefix-caching: the second computes its prompt again
+            r = httpx.post(url + "/v1/completions", json=body, headers={"authorization": "Bearer sekrit"}).json()
+            assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         assert httpx.get(url + "/health").status_code == 200
         second = subprocess.run([sys.executable, str(HERE / "serve.py"), "--model", str(tiny.path), "--device", "cpu",
                                  "--port", url.rsplit(":", 1)[1]], capture_output=True, text=True, timeout=60)
