@@ -463,6 +463,8 @@ async def whole_outputs(engine, request, ids, queue):
                 checked = time.monotonic()
     except ConnectionError as e:
         return error_response(str(e), status=503)
+    except Exception as e:  # never a bare 500 page: OpenAI's error body, whatever broke
+        return error_response(f"the server failed: {type(e).__name__}: {e}", status=500)
     finally:
         engine.abort(ids)
     outs = [outs[i] for i in range(len(ids))]
