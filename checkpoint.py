@@ -7,6 +7,7 @@ against what the engine computes, and an error names the file and says what to d
 import json
 import math
 import sys
+from collections import namedtuple
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -228,6 +229,26 @@ def load_weights(path, config):
 # tokenizer: tiktoken's fast BPE, built from the model directory's own vocabulary
 
 GPT2_SPLIT = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+
+
+# weight-only int8 (W8A16): symmetric, one scale per output channel
+Int8Weight = namedtuple("Int8Weight", "q scale")  # (N, K) int8 and (N,) float32: w ~ q * scale[:, None]
+
+
+def quantize_int8(w):
+    """w (N, K) as int8 with one scale per row (an output channel): scale = max|row| / 127, q = round(w / scale)."""
+    scale = np.abs(w).max(1) / 127
+    scale[scale == 0] = 1
+    return Int8Weight(np.clip(np.rint(w / scale[:, None]), -127, 127).astype(np.int8), scale.astype(np.float32))
+
+
+def quantize_weights(weights, n_vocab):
+    """Every matmul's weight in int8, the lm_head too (its own copy of the tied embedding, cut to the tokenizer's
+    n_vocab rows); the embedding lookup keeps its float table."""
+    out = {n: quantize_int8(w) if n.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")) else w
+           for n, w in weights.items()}
+    out["lm_head.weight"] = quantize_int8(weights.get("lm_head.weight", weights["wte.weight"])[:n_vocab])
+    return out
 
 
 def bytes_to_unicode():

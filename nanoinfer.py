@@ -19,10 +19,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from checkpoint import Tokenizer, load_config, load_weights, resolve_model
+from checkpoint import Int8Weight, Tokenizer, load_config, load_weights, quantize_weights, resolve_model
 from paged_kv import PagedKVCache
-from sampling_params import (CompletionOutput, Logprob, RequestOutput, SamplingParams, check_engine_arguments,  # noqa
-                             logprobs_of, refuse_request)  # (Logprob: nanoinfer's API, as vLLM's)
+from sampling_params import (CompletionOutput, Logprob, RequestOutput, SamplingParams, as_lists,  # noqa: Logprob, API
+                             check_engine_arguments, logprobs_of, refuse_request)
 from scheduler import Scheduler, Sequence
 
 # -----------------------------------------------------------------------------
@@ -128,12 +128,14 @@ class NumpyBackend:
         return (x - mean) / np.sqrt(var + eps) * w + b
 
     def matmul(self, x, w, bias=None, gelu=False, residual=None, ln=None, out_dtype=None):
-        """epilogue(layernorm(x) @ w.T), ln: (weight, bias, eps) or None; the epilogue: + bias, GELU, + residual."""
+        """epilogue(layernorm(x) @ w.T), ln: (weight, bias, eps) or None; the epilogue: + bias, GELU, + residual. An
+        Int8Weight's int8 rows are multiplied as they are, each output then scaled once (W8A16)."""
         if ln is not None:
             x = self.layernorm(x, *ln)
+        q, scale = (w.q.astype(x.dtype), w.scale) if isinstance(w, Int8Weight) else (w, 1)
         # (M, K) @ (K, N) -> (M, N); batch-invariant as M matmuls of one row: BLAS blocks rows by M, which would let
         # the batch decide how a row's sums are grouped
-        y = (x[:, None] @ w.T)[:, 0] if self.batch_invariant else x @ w.T
+        y = ((x[:, None] @ q.T)[:, 0] if self.batch_invariant else x @ q.T) * scale
         if bias is not None:
             y += bias
         if gelu:
@@ -224,10 +226,12 @@ class GPT:
     """GPT-2's forward pass, written once against the backend's op set."""
     def __init__(self, config, weights, backend, n_vocab=None):
         self.config, self.backend = config, backend
-        self.w = {name: backend.asarray(a) for name, a in weights.items()}
-        # the lm_head is the embedding (tied) unless the checkpoint has its own; an embedding padded past the
-        # tokenizer's n_vocab tokens (nanoGPT's 50304) keeps its padding rows out of the logits: never sampled
-        self.lm_head = self.w.get("lm_head.weight", self.w["wte.weight"])[:n_vocab or config.vocab_size]  # (V, C)
+        self.w = {name: Int8Weight(*map(backend.asarray, a)) if isinstance(a, Int8Weight) else backend.asarray(a)
+                  for name, a in weights.items()}
+        # the lm_head is the embedding (tied) unless the checkpoint has its own (or int8 made one); an embedding
+        # padded past the tokenizer's n_vocab tokens (nanoGPT's 50304) keeps its padding rows out of the logits
+        head = self.w.get("lm_head.weight", self.w["wte.weight"])
+        self.lm_head = head if isinstance(head, Int8Weight) else head[:n_vocab or config.vocab_size]  # (V, C)
 
     def forward(self, batch, kv):
         """Logits (R, V), float32, for the rows batch.logits_idx; writes every token's K/V into the cache."""
@@ -429,13 +433,15 @@ class LLM:
     def __init__(self, model, device="auto", dtype=None, block_size=16, max_num_seqs=256,
                  max_num_batched_tokens=16384, num_kv_tokens=None, gpu_memory_utilization=0.9, seed=0,
                  cuda_graphs=True, fused=True, num_scheduler_steps=16, dependent_launches=True, batch_invariant=False,
-                 enable_prefix_caching=True):
+                 enable_prefix_caching=True, quantization=None):
         check_engine_arguments(locals())
         self.model_dir = path = resolve_model(model)
         self.config = c = load_config(path)
         self.tokenizer = Tokenizer(path, c.vocab_size)
         self.backend = make_backend(device, dtype)
         self.backend.check_model(c)
+        if quantization and self.backend.name != "cpu":
+            raise ValueError("quantization='int8' runs on the numpy backend only, for now: use device='cpu'")
         # the lessons' switches: fusion, dependent launches; and outputs bitwise the same solo, batched, chunked or
         # preempted (every reduction row by row, in a fixed order)
         self.backend.fused, self.backend.dependent_launches, self.backend.batch_invariant = (
@@ -444,6 +450,8 @@ class LLM:
         weights = load_weights(path, c)
         log(f"weights: {sum(w.size for w in weights.values()) / 1e6:,.0f}M parameters ({c.n_layer} layers, "
             f"{c.n_embd} wide) from {path} in {time.perf_counter() - t0:.1f} s")
+        if quantization == "int8":  # weight-only int8 (W8A16), quantized here from the checkpoint's weights
+            weights = quantize_weights(weights, self.tokenizer.n_vocab)
         self.model = GPT(c, weights, self.backend, self.tokenizer.n_vocab)
         blocks = PagedKVCache.pool_blocks(c, self.backend, num_kv_tokens, gpu_memory_utilization, max_num_seqs,
                                           block_size)
@@ -522,7 +530,7 @@ class LLM:
             saved.update((seq, seq.checkpoint()) for seq, _ in scheduled)
             events = []
             if scheduled:
-                batch, seqs, prompt_rows = make_batch(scheduled, self.kv)  # one flat batch; who samples; prompt logprobs
+                batch, seqs, prompt_rows = make_batch(scheduled, self.kv)  # the flat batch; who samples; prompt rows
                 # (steps, R) new tokens; (R, V) logits for logprobs. A graph run launches the next one before its
                 # tokens are read, unless a request waits to come in (the next step admits it, eagerly)
                 tokens, logits = self.runner.run(batch, seqs, launch_next=not self.scheduler.wants_admission())
@@ -596,7 +604,7 @@ class LLM:
         """Yield (prompt index, sample index, new text, RequestOutput once the request finished else None); a refused
         prompt yields its error. A stream left early (break, close(), an exception in its consumer) aborts its
         unfinished requests at once."""
-        prompts, params = _as_lists(prompts, sampling_params)
+        prompts, params = as_lists(prompts, sampling_params)
         outbox, index = deque(), {}
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
@@ -622,7 +630,7 @@ class LLM:
         """Run prompts to completion, continuously batched: one RequestOutput per prompt, in order. use_tqdm: a
         progress bar on stderr, requests done and output tokens/s, as vLLM's."""
         from tqdm.auto import tqdm
-        prompts, sampling_params = _as_lists(prompts, sampling_params)
+        prompts, sampling_params = as_lists(prompts, sampling_params)
         outputs, tokens, t0 = {}, 0, time.perf_counter()
         with tqdm(total=len(prompts), desc="Processed prompts", unit="req", disable=not use_tqdm, file=sys.stderr,
                   dynamic_ncols=True) as bar:
@@ -682,15 +690,6 @@ def add_prompt_logprobs(prompt_rows, logits, row, tokenizer):
 def sample_seed(seed, index):
     """The seed of a request's index-th sample: the request's own for the first, a different stream for each other."""
     return seed if index == 0 else (seed ^ (index * 0xD1B54A32D192ED03)) % 2 ** 64
-
-
-def _as_lists(prompts, params):
-    single = isinstance(prompts, (str, dict)) or (len(prompts) > 0 and isinstance(prompts[0], (int, np.integer)))
-    prompts = [prompts] if single else list(prompts)
-    params = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
-    if len(params) != len(prompts):
-        raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts: give one, or one per prompt")
-    return prompts, params
 
 
 def log(message):

@@ -123,7 +123,9 @@ def check_engine_arguments(args):
          0 < args["gpu_memory_utilization"] <= 1, "a fraction in (0, 1]"),
         ("seed", args["seed"], is_int(args["seed"], 0), "an integer >= 0"),
         ("dtype", args["dtype"], args["dtype"] in (None, "float16", "float32", np.float16, np.float32),
-         "float16 or float32")] + [(name, args[name], isinstance(args[name], bool), "True or False") for name in (
+         "float16 or float32"),
+        ("quantization", args["quantization"], args["quantization"] in (None, "int8"), "None or 'int8'")] + [
+        (name, args[name], isinstance(args[name], bool), "True or False") for name in (
             "cuda_graphs", "fused", "dependent_launches", "batch_invariant", "enable_prefix_caching")])
 
 
@@ -168,3 +170,13 @@ def refuse_request(ids, params, n_ctx, n_vocab, kv):
         raise ValueError(f"the request may need {most_tokens} tokens of KV cache, but the whole pool holds "
                          f"{kv.num_blocks * kv.block_size}: lower max_tokens, or give the engine a larger pool "
                          "(num_kv_tokens, gpu_memory_utilization)")
+
+
+def as_lists(prompts, params):
+    """generate() and stream()'s arguments as two lists of one length: a prompt alone, or a SamplingParams for all."""
+    single = isinstance(prompts, (str, dict)) or (len(prompts) > 0 and isinstance(prompts[0], (int, np.integer)))
+    prompts = [prompts] if single else list(prompts)
+    params = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
+    if len(params) != len(prompts):
+        raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts: give one, or one per prompt")
+    return prompts, params

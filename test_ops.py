@@ -204,6 +204,26 @@ def test_attention(seed, case, batch_invariant):
         f"the KV cache after attention {case} (seed={seed})"
 
 
+@pytest.mark.parametrize("batch_invariant", [False, True], ids=["batched", "invariant"])
+def test_int8_matmul(seed, batch_invariant):
+    """quantize_int8: each row's scale is max|row| / 127 and every weight within half a step of q * scale, q in
+    [-127, 127] (a zero row: scale 1, all zeros). matmul with the Int8Weight (W8A16) is F.linear(x, q) * scale, with
+    the epilogue after: within 1e-10 in float64, one row and many."""
+    from checkpoint import quantize_int8
+    r = np.random.default_rng(seed)
+    w = r.standard_normal((96, 64)) / 8
+    w[5] = 0
+    q = quantize_int8(w)
+    assert q.q.dtype == np.int8 and np.abs(q.q.astype(int)).max() <= 127 and q.scale[5] == 1 and not q.q[5].any()
+    assert np.allclose(np.delete(q.scale, 5), np.abs(np.delete(w, 5, 0)).max(1) / 127, rtol=1e-6)
+    assert (np.abs(w - q.q * q.scale[:, None].astype(np.float64)) <= q.scale[:, None] * (0.5 + 1e-4)).all()
+    be, bias = backend(batch_invariant), r.standard_normal(96)
+    for M in (1, 9):
+        x = r.standard_normal((M, 64))
+        want = (F.linear(t64(x), t64(q.q.astype(np.float64))) * t64(q.scale.astype(np.float64)) + t64(bias)).numpy()
+        assert_close(be.matmul(x, q, bias), want, OTHER_ORDER, f"int8 matmul M={M} (seed={seed})")
+
+
 # -----------------------------------------------------------------------------
 # penalize, and the sampler's definition where torch has the same op
 
