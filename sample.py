@@ -40,6 +40,7 @@ def main():
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                     help="auto: the GPU if CuPy sees one, else the CPU")
     ap.add_argument("--dtype", default=None, choices=["float16", "float32"], help="default: fp16 on GPU, fp32 on CPU")
+    ap.add_argument("--quantization", choices=["int8"], help="weight-only int8 (W8A16; the CPU backend only, so far)")
     args = ap.parse_args()
     prompts = args.prompt + [read_prompt(ap, f) for f in args.prompt_file] or [""]
     from nanoinfer import LLM, SamplingParams  # here: a Ctrl-C while numpy loads exits quietly too
@@ -52,7 +53,7 @@ def main():
         field, rest = str(e).removeprefix("SamplingParams.").split("=", 1)
         ap.error(f"{FLAGS.get(field, field)} {rest.split(': ', 1)[0]}: {rest.split(': ', 1)[-1]}")
     try:
-        llm = LLM(args.model, device=args.device, dtype=args.dtype)
+        llm = LLM(args.model, device=args.device, dtype=args.dtype, quantization=args.quantization)
     except Exception as e:  # a model directory's problem, the download, the GPU: the message says what to do
         sys.exit(f"error: {e}")
     return stream_to_terminal(llm, prompts, params)

@@ -490,6 +490,7 @@ def main():
                     "default: 256")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="the fraction of the GPU's memory the "
                     "engine may fill, the KV cache taking what the weights leave; default: 0.9")
+    ap.add_argument("--quantization", choices=["int8"], help="weight-only int8 (W8A16; the CPU backend only, so far)")
     ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                     help="reuse the KV of prompts' shared first blocks across requests; default: on")
     args = ap.parse_args()
@@ -503,7 +504,7 @@ def main():
     try:
         engine = EngineProcess(model=args.model, device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
                                gpu_memory_utilization=args.gpu_memory_utilization,
-                               enable_prefix_caching=args.enable_prefix_caching)
+                               enable_prefix_caching=args.enable_prefix_caching, quantization=args.quantization)
     except RuntimeError as e:
         ap.exit(1, f"serve.py: the engine did not start: {e}\n")
     name = args.served_model_name or args.model

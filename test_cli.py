@@ -76,7 +76,7 @@ def test_vllm_quickstart_runs_unchanged(tiny):
 def test_cli_flags(tiny):
     """--help shows every default and what 0 means; --num-samples prints each text under its own header, saying why
     it stopped; --seed repeats a run and no seed does not; a prompt comes from stdin; --stop ends at a stop string
-    and says so; --logprobs prints a line per token."""
+    and says so; --logprobs prints a line per token; --quantization int8 prints the int8 engine's text."""
     run = lambda *args, stdin=None: subprocess.run(
         [sys.executable, str(HERE / "sample.py"), "--model", str(tiny.path), "--device", "cpu", *args],
         input=stdin, capture_output=True, text=True, timeout=120, cwd=HERE)
@@ -98,6 +98,10 @@ def test_cli_flags(tiny):
     assert f"[stopped: stop string {stop!r}]" in cut.stderr and stop not in cut.stdout[len("Hi"):]
     lp = run("--prompt", "Hi", "--temperature", "0", "--max-new-tokens", "3", "--ignore-eos", "--logprobs", "2")
     assert len([line for line in lp.stderr.splitlines() if line.startswith("  ")]) == 3
+    q = run("--prompt", "Hi", "--temperature", "0", "--max-new-tokens", "6", "--ignore-eos", "--quantization", "int8")
+    want = LLM(str(tiny.path), device="cpu", quantization="int8").generate(["Hi"], SamplingParams(
+        max_tokens=6, temperature=0, ignore_eos=True), use_tqdm=False)[0].outputs[0].text
+    assert q.returncode == 0 and q.stdout.startswith("Hi" + want), q.stdout
 
 
 def test_cli_refused_prompt_exits_1(tiny):
