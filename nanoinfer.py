@@ -14,16 +14,17 @@ import sys
 import threading
 import time
 import traceback
-from collections import Counter, deque, namedtuple
+from collections import deque, namedtuple
 from dataclasses import dataclass
 
 import numpy as np
 
 from checkpoint import Int8Weight, Tokenizer, load_config, load_weights, quantize_weights, resolve_model
 from paged_kv import PagedKVCache
-from sampling_params import (CompletionOutput, Logprob, RequestOutput, SamplingParams, as_lists,  # noqa: Logprob, API
-                             check_engine_arguments, logprobs_of, refuse_request)
+from sampling_params import (CompletionOutput, Logprob, Penalties, RequestOutput, SamplingParams, as_lists,  # noqa
+                             check_engine_arguments, logprobs_of, penalties, refuse_request)  # (Logprob, Penalties: API)
 from scheduler import Scheduler, Sequence
+from speculation import NgramProposer, draft_row, token_indices
 
 # -----------------------------------------------------------------------------
 # the numpy backend: the readable definition of every op, the reference in tests, and a CPU engine
@@ -269,38 +270,14 @@ def sampling_arrays(seqs):
                           np.array([min(max(p.top_k, 0), 2 ** 31 - 1) for p in params], np.int32),  # k > V: off
                           np.array([p.top_p for p in params], np.float32),
                           np.array([s.seed for s in seqs], np.uint64),
-                          np.array([s.num_output for s in seqs], np.int32),
+                          np.array(token_indices(seqs), np.int32),
                           np.array([p.min_p for p in params], np.float32))
-
-
-# the logits a step changes before sampling, one entry per (row, token): for each row, every token it has seen (with
-# its repetition penalty), how often each is in its output (presence, frequency), its logit bias, and the ones banned
-# until min_tokens
-Penalties = namedtuple("Penalties", "rows ids output_counts banned repetition presence frequency bias")
-
-
-def penalties(seqs):
-    """The Penalties of the rows that sample (seqs), or None when none edits its logits."""
-    if not any(s.edits_logits for s in seqs):
-        return None
-    entries = []  # (row, token, times in the output, banned, repetition penalty, bias)
-    for row, s in enumerate(seqs):
-        p, ban, bias = s.params, s.banned_tokens(), s.params.logit_bias or {}
-        in_output = Counter(s.output_token_ids) if p.presence_penalty or p.frequency_penalty else {}
-        seen = set(s.token_ids) if p.repetition_penalty != 1 else set(in_output)
-        entries += [(row, t, in_output.get(t, 0), t in ban, p.repetition_penalty if t in seen else 1, bias.get(t, 0))
-                    for t in sorted(seen | ban | set(bias))]
-    rows, ids, counts, banned = np.array([e[:4] for e in entries], np.int32).reshape(-1, 4).T.copy()  # (4, E)
-    repetition, bias = np.array([e[4:] for e in entries], np.float32).reshape(-1, 2).T.copy()
-    per_row = lambda name: np.array([getattr(s.params, name) for s in seqs], np.float32)
-    return Penalties(rows, ids, counts, banned.astype(bool), repetition, per_row("presence_penalty"),
-                     per_row("frequency_penalty"), bias)
 
 
 def make_batch(scheduled, kv):
     """Flatten this step's work, [(sequence, tokens to compute now)], into one Batch; list the sequences whose last
-    token it holds (they sample), and [(sequence, positions)] whose logits give prompt log-probs: their logits come
-    after the samplers'. Python loops over sequences, numpy over tokens."""
+    token it holds (they sample, a row each, a drafting one a row a draft token more), and [(sequence, positions)]
+    whose logits give prompt log-probs, after the samplers'. Python loops over sequences, numpy over tokens."""
     seqs = [seq for seq, _ in scheduled]
     counts = np.array([n for _, n in scheduled], np.int32)
     starts = np.array([seq.num_computed for seq in seqs], np.int32)
@@ -308,15 +285,17 @@ def make_batch(scheduled, kv):
     row = np.repeat(np.arange(len(seqs)), counts)  # (T,) the sequence of each token
     positions = (np.arange(cu_seqlens_q[-1]) - cu_seqlens_q[row] + starts[row]).astype(np.int32)  # (T,)
     block_tables = kv.block_table_array([seq.seq_id for seq in seqs])  # (S, max_blocks)
-    samples = starts + counts == np.array([len(seq.token_ids) for seq in seqs])  # reached their last token
-    input_ids = np.fromiter(itertools.chain.from_iterable(
-        seq.token_ids[a:a + n] for seq, a, n in zip(seqs, starts.tolist(), counts.tolist())), np.int32, len(row))
-    spans = [(i, seq.prompt_logprob_span(n)) for i, (seq, n) in enumerate(scheduled)]
-    spans = [(i, span) for i, span in spans if span]
-    logits_idx = np.concatenate([(cu_seqlens_q[1:] - 1)[samples]] +  # the rows that sample, then the prompt's
-                                [cu_seqlens_q[i] - starts[i] + np.arange(span.start, span.stop) for i, span in spans])
+    samples = starts + counts == np.array([len(seq.token_ids) + len(seq.draft) for seq in seqs])  # (and its draft)
+    input_ids = np.fromiter(itertools.chain.from_iterable(s.token_ids[a:a + n] + s.draft[:a + n - len(s.token_ids)]
+                                                          for s, a, n in zip(seqs, starts.tolist(), counts.tolist())),
+                            np.int32, len(row))
+    spans = [(i, span) for i, span in ((i, seq.prompt_logprob_span(n)) for i, (seq, n) in enumerate(scheduled)) if span]
+    sampling = [i for i in range(len(seqs)) if samples[i]]  # each samples at its last token (and its draft's)
+    logits_idx = np.concatenate([np.zeros(0, int)] + [  # the rows that sample, then the prompt's
+        np.arange(cu_seqlens_q[i + 1] - 1 - len(seqs[i].draft), cu_seqlens_q[i + 1]) for i in sampling] +
+        [cu_seqlens_q[i] - starts[i] + np.arange(span.start, span.stop) for i, span in spans])
     return Batch(input_ids, positions, kv.slot_mapping(block_tables, row, positions), cu_seqlens_q, starts + counts,
-                 block_tables, logits_idx.astype(np.int32)), [seq for seq, s in zip(seqs, samples) if s], \
+                 block_tables, logits_idx.astype(np.int32)), [seqs[i] for i in sampling for _ in seqs[i].draft + [0]], \
         [(seqs[i], span) for i, span in spans]
 
 
@@ -342,7 +321,7 @@ class ModelRunner:
         launch_next: a graph run may launch the next one before its tokens are read."""
         if self.graphs is None:
             return self.eager(batch, seqs)
-        if self.graphs.takes(batch, seqs):
+        if self.graphs.takes(batch, seqs) and not any(s.draft for s in seqs):
             return self.graphs.run(seqs, sampling_arrays(seqs), launch_next), None
         with self.graphs.eager():  # on the graphs' stream, after everything they launched
             return self.eager(batch, seqs)
@@ -433,7 +412,7 @@ class LLM:
     def __init__(self, model, device="auto", dtype=None, block_size=16, max_num_seqs=256,
                  max_num_batched_tokens=16384, num_kv_tokens=None, gpu_memory_utilization=0.9, seed=0,
                  cuda_graphs=True, fused=True, num_scheduler_steps=16, dependent_launches=True, batch_invariant=False,
-                 enable_prefix_caching=True, quantization=None):
+                 enable_prefix_caching=True, quantization=None, speculative_config=None):
         check_engine_arguments(locals())
         self.model_dir = path = resolve_model(model)
         self.config = c = load_config(path)
@@ -459,7 +438,9 @@ class LLM:
         log(f"KV cache: {blocks * block_size:,} tokens ({self.kv.nbytes / 2 ** 30:.2f} GiB), {blocks} blocks of "
             f"{block_size}; max_num_seqs={max_num_seqs} x n_ctx={c.n_ctx} is the most it can use")
         self.runner = ModelRunner(self.model, self.kv, cuda_graphs, num_scheduler_steps, max_num_seqs)
-        self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens, self.runner.admission_group)
+        self.speculator = speculative_config and NgramProposer(speculative_config, c.n_ctx)  # vLLM's "ngram"
+        self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens, self.runner.admission_group,
+                                   self.speculator and self.speculator.propose)
         self._rng = np.random.default_rng(seed)  # seeds for requests that bring none
         self._next_id = 0
         self._requests = {}  # request id -> Request, until its last event
@@ -569,19 +550,23 @@ class LLM:
 
     def _postprocess(self, seqs, tokens, logits):
         """Hand each sequence its tokens until one finishes it (the rest dropped, blocks freed): an event each."""
+        drafted = {}  # speculation.py's: a drafting sequence's output count before this step
         for row, seq in enumerate(seqs):
             if seq.index == 0 and seq.num_output == 0:  # a request's first sample, at its first token
                 self._requests[seq.request_id].fork(self.kv, self.scheduler)
+            j = draft_row(seqs, row, drafted, self.speculator)  # a row of a sequence's draft: None if rejected
+            if j is None:
+                continue
             for i, token in enumerate(tokens[:, row]):
-                if i > 0:
-                    seq.num_computed += 1  # a later step of a run computed the token sampled before
+                if i > 0 or j > 0:  # a later step of a run, or a kept draft token, computed the token before
+                    seq.num_computed += 1
                 if logits is not None and seq.logprobs is not None:
                     seq.logprobs.append(logprobs_of(logits[row], int(token), seq.params.logprobs, self.tokenizer))
                 seq.append(int(token), self.config.n_ctx)
                 if seq.finish_reason:
                     self.scheduler.remove(seq)
                     break
-        return self._events(seqs)
+        return self._events(list(dict.fromkeys(seqs)))
 
     def _events(self, seqs):
         """(request id, sample index, new text, None) per sequence; a request's last one here carries its

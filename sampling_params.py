@@ -1,7 +1,9 @@
 """What a request asks for and what it gets back, with vLLM's names, defaults and meanings: SamplingParams (the
-sampler and when to stop), RequestOutput, CompletionOutput and Logprob. Every SamplingParams field, and every LLM
-argument, is checked when it is given: a bad one raises ValueError naming the field and what it must be."""
+sampler and when to stop), RequestOutput, CompletionOutput and Logprob; and what the sampler gets from them (the
+Penalties of a step's rows, each token's log-probs). Every SamplingParams field, and every LLM argument, is checked
+when it is given: a bad one raises ValueError naming the field and what it must be."""
 import math
+from collections import Counter, namedtuple
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -180,3 +182,27 @@ def as_lists(prompts, params):
     if len(params) != len(prompts):
         raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts: give one, or one per prompt")
     return prompts, params
+
+
+# the logits a step changes before sampling, one entry per (row, token): for each row, every token it has seen (with
+# its repetition penalty), how often each is in its output (presence, frequency), its logit bias, and the ones banned
+# until min_tokens
+Penalties = namedtuple("Penalties", "rows ids output_counts banned repetition presence frequency bias")
+
+
+def penalties(seqs):
+    """The Penalties of the rows that sample (seqs), or None when none edits its logits."""
+    if not any(s.edits_logits for s in seqs):
+        return None
+    entries = []  # (row, token, times in the output, banned, repetition penalty, bias)
+    for row, s in enumerate(seqs):
+        p, ban, bias = s.params, s.banned_tokens(), s.params.logit_bias or {}
+        in_output = Counter(s.output_token_ids) if p.presence_penalty or p.frequency_penalty else {}
+        seen = set(s.token_ids) if p.repetition_penalty != 1 else set(in_output)
+        entries += [(row, t, in_output.get(t, 0), t in ban, p.repetition_penalty if t in seen else 1, bias.get(t, 0))
+                    for t in sorted(seen | ban | set(bias))]
+    rows, ids, counts, banned = np.array([e[:4] for e in entries], np.int32).reshape(-1, 4).T.copy()  # (4, E)
+    repetition, bias = np.array([e[4:] for e in entries], np.float32).reshape(-1, 2).T.copy()
+    per_row = lambda name: np.array([getattr(s.params, name) for s in seqs], np.float32)
+    return Penalties(rows, ids, counts, banned.astype(bool), repetition, per_row("presence_penalty"),
+                     per_row("frequency_penalty"), bias)

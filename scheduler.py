@@ -34,6 +34,7 @@ class Sequence:
         self.stop_reason = None  # the stop string or stop token id that ended it
         self.error = None  # why, when finish_reason is 'error'
         self.num_cached_tokens = None  # at its first admission: the tokens whose KV the prefix cache held
+        self.draft = []  # speculative tokens this step computes after its last (speculation.py)
         self.logprobs = [] if params.logprobs is not None else None
         # the first sample computes the prompt's log-probs (the others share its KV): None for its first token
         self.prompt_logprobs = [None] if params.prompt_logprobs is not None and index == 0 else None
@@ -141,9 +142,10 @@ class Sequence:
 
 
 class Scheduler:
-    def __init__(self, kv, max_num_seqs, max_num_batched_tokens, admission_group=1):
+    def __init__(self, kv, max_num_seqs, max_num_batched_tokens, admission_group=1, propose=None):
         self.kv, self.max_num_seqs, self.max_num_batched_tokens = kv, max_num_seqs, max_num_batched_tokens
         self.admission_group = admission_group
+        self.propose = propose  # seq, budget -> its draft (speculative decoding), or None
         self.waiting = deque()
         self.running = []  # in admission order: the last one is the newest
         self.num_preemptions = 0
@@ -172,7 +174,8 @@ class Scheduler:
                 break
             if seq in preempted:
                 continue
-            n = min(seq.num_uncomputed, budget)
+            seq.draft = self.propose(seq, budget - 1) if self.propose and seq.num_uncomputed == 1 else []
+            n = min(seq.num_uncomputed + len(seq.draft), budget)
             while not self._fits(seq, seq.num_computed + n):
                 victim = next(s for s in reversed(self.running) if s not in scheduled)
                 self._preempt(victim)
@@ -187,9 +190,10 @@ class Scheduler:
         admit = admit and self.wants_admission() and not preempted
         while admit and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]  # its num_computed is 0, or a prompt's blocks it shares (Request.fork)
-            if seq.num_computed == 0 and not seq.wants_prompt_logprobs:  # its first blocks, if the prefix cache has them
+            if seq.num_computed == 0 and not seq.wants_prompt_logprobs:  # its first blocks, from the prefix cache
                 seq.num_computed = self.kv.take_cached(seq.seq_id, seq.token_ids)
                 seq.num_cached_tokens = seq.num_computed if seq.num_cached_tokens is None else seq.num_cached_tokens
+            seq.draft = []
             n = min(seq.num_uncomputed, budget)
             if not self._fits(seq, seq.num_computed + n):
                 break

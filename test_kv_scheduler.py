@@ -123,13 +123,15 @@ STRESS_EXAMPLES = int(os.environ.get("NANOINFER_STRESS_EXAMPLES", 20))  # raised
 @settings(max_examples=STRESS_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(reqs=st.lists(REQUEST, min_size=2, max_size=6), block_size=st.sampled_from([1, 4, 16, 32]),
        slack=st.sampled_from([0, 0, 1, 16, 64]), max_batched=st.sampled_from([3, 8, 32, 2048]),
-       max_seqs=st.sampled_from([1, 2, 256]))
-def test_stress_every_request_gets_its_solo_output(tiny, dev, reqs, block_size, slack, max_batched, max_seqs):
-    """Random requests (greedy or seeded sampling, a quarter with prompt log-probs, a third opening alike: the prefix
-    cache on) arriving while others run, some aborted at a random step, on random pools (down to the smallest that
-    fits the largest request), block sizes and budgets: every request finishes with its solo output (an aborted one: a prefix of it) and its prompt log-probs
-    (each prompt token's once, within 1e-4 of solo's), the allocator invariants hold after every step, and no block
-    leaks."""
+       max_seqs=st.sampled_from([1, 2, 256]), speculate=st.sampled_from([0, 0, 1, 3]))
+def test_stress_every_request_gets_its_solo_output(tiny, dev, reqs, block_size, slack, max_batched, max_seqs,
+                                                   speculate):
+    """Random requests (greedy or seeded sampling; a quarter with prompt log-probs; a third opening alike, for the
+    prefix cache; a fifth repeating themselves, for n-gram drafts, on in half the runs, k = 1 or 3) arriving while
+    others run, some aborted at a random step, on random pools (down to the smallest that fits the largest request),
+    block sizes and budgets: every request finishes with its solo output (alone, no speculation; an aborted one: a
+    prefix of it) and its prompt log-probs (each prompt token's once, within 1e-4 of solo's), the allocator
+    invariants hold after every step, and no block leaks."""
     work = []
     for length, max_tokens, arrival, sampled, seed, abort, n in reqs:
         extra = dict(n=n, prompt_logprobs=1 if seed % 4 == 0 else None)
@@ -138,10 +140,13 @@ def test_stress_every_request_gets_its_solo_output(tiny, dev, reqs, block_size, 
         ids = random_ids(length, seed)
         if seed % 3 == 1:  # a third open with the same 24 tokens: the prefix cache shares their blocks
             ids = (random_ids(24, 7) + ids)[:length]
+        if seed % 5 == 2:  # a fifth repeat themselves: n-gram drafts find what came next
+            ids = (ids[:max(1, length // 3)] * 3)[:length]
         work.append((arrival, ids, params, abort))
     biggest = max(-(-(len(p) + q.max_tokens) // block_size) for _, p, q, _ in work) * block_size
+    spec = {"method": "ngram", "num_speculative_tokens": speculate, "prompt_lookup_min": 1} if speculate else None
     llm = make_llm(tiny, dev, block_size=block_size, num_kv_tokens=biggest + slack,
-                   max_num_batched_tokens=max_batched, max_num_seqs=max_seqs)
+                   max_num_batched_tokens=max_batched, max_num_seqs=max_seqs, speculative_config=spec)
     pending, ids, done, aborts, t, idle = sorted(work, key=lambda w: w[0]), {}, {}, {}, 0, 0
     while pending or llm.has_unfinished():
         while pending and (pending[0][0] <= t or not llm.has_unfinished()):
@@ -173,3 +178,4 @@ def test_stress_every_request_gets_its_solo_output(tiny, dev, reqs, block_size, 
     assert llm.kv.allocator.num_free() == llm.kv.num_blocks
     target(float(llm.scheduler.num_preemptions), label="preemptions")  # steer the search toward pressure
     target(float(llm.kv.hits), label="prefix cache hits")  # and toward shared blocks
+    target(float(llm.speculator.accepted if llm.speculator else 0), label="accepted drafts")

@@ -301,6 +301,29 @@ def test_int8_quality_against_transformers(tiny):
         make_llm(tiny, CPU, quantization="int4")
 
 
+@pytest.mark.parametrize("dev", EXACT_DEVICES)
+def test_ngram_speculation_changes_no_token(tiny, dev):
+    """speculative_config={"method": "ngram", ...}: on prompts that repeat themselves, drafts are proposed and some
+    accepted, and every output is plain decoding's, token for token: greedy, seeded sampling (T 0.3), a stop string,
+    n = 2, max_tokens edges, and a pool small enough to preempt; every block is free after. A bad config is refused."""
+    rng = np.random.default_rng(4)
+    prompts = [(lambda b: b * 3)(rng.integers(0, EOT, 8).tolist()) for _ in range(6)]
+    params = [greedy(30), SamplingParams(max_tokens=30, temperature=0.3, seed=9, ignore_eos=True),
+              greedy(30, n=2), greedy(1), greedy(2), SamplingParams(max_tokens=30, temperature=0, stop=["e"])]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    for kw in (dict(), dict(num_kv_tokens=160, block_size=16)):
+        plain = make_llm(tiny, dev, **kw).generate(prompts, params, use_tqdm=False)
+        llm = make_llm(tiny, dev, speculative_config=spec, **kw)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert [[c.token_ids for c in o.outputs] for o in outs] == [[c.token_ids for c in o.outputs] for o in plain]
+        assert [o.outputs[0].text for o in outs] == [o.outputs[0].text for o in plain]
+        assert llm.speculator.proposed > llm.speculator.accepted > 0, (llm.speculator.proposed, llm.speculator.accepted)
+        assert llm.kv.allocator.num_free() == llm.kv.num_blocks and (llm.scheduler.num_preemptions > 0) == bool(kw)
+    for bad in ({"method": "draft"}, {"method": "ngram", "num_speculative_tokens": 0}, "ngram"):
+        with pytest.raises(ValueError, match="speculative_config"):
+            make_llm(tiny, dev, speculative_config=bad)
+
+
 def test_stream_matches_generate(tiny, dev, greedy_cases):
     """llm.stream's deltas, per prompt, concatenate to generate()'s text; each finishes exactly once, last."""
     prompts = [p for p, _, _ in greedy_cases[:3]]
