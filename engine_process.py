@@ -62,7 +62,9 @@ def engine_main(engine_args, conn):
             s = llm.scheduler
             conn.send(("events", events, dict(free=llm.kv.num_free_blocks(), total=llm.kv.num_blocks,
                                               running=len(s.running), waiting=len(s.waiting),
-                                              prefix_queries=llm.kv.queries, prefix_hits=llm.kv.hits)))
+                                              prefix_queries=llm.kv.queries, prefix_hits=llm.kv.hits,
+                                              drafted=llm.speculator and llm.speculator.proposed or 0,
+                                              accepted=llm.speculator and llm.speculator.accepted or 0)))
     except (EOFError, OSError, KeyboardInterrupt):  # the server is gone
         return
 
@@ -89,7 +91,7 @@ class EngineProcess:
         self.kv = types.SimpleNamespace(num_blocks=info["num_blocks"], block_size=info["block_size"],
                                         blocks_needed=lambda n: -(-n // info["block_size"]))  # for refuse_request
         self.stats = dict(free=info["num_blocks"], total=info["num_blocks"], running=0, waiting=0, prefix_queries=0,
-                          prefix_hits=0)
+                          prefix_hits=0, drafted=0, accepted=0)
         self.finished = Counter()  # samples finished, by finish_reason
         self.lock, self.queues, self.next_key, self.dead = threading.Lock(), {}, 0, None
         threading.Thread(target=self._read, name="engine-reader", daemon=True).start()

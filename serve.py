@@ -311,7 +311,9 @@ def make_app(engine, model_name, chat_template=None, api_key=None):
                                  f"nanoinfer_requests_running {s['running']}\n"
                                  f"nanoinfer_requests_waiting {s['waiting']}\n"
                                  f"nanoinfer_prefix_cache_queries_total {s['prefix_queries']}\n"
-                                 f"nanoinfer_prefix_cache_hits_total {s['prefix_hits']}\n" +
+                                 f"nanoinfer_prefix_cache_hits_total {s['prefix_hits']}\n"
+                                 f"nanoinfer_spec_decode_num_draft_tokens_total {s['drafted']}\n"
+                                 f"nanoinfer_spec_decode_num_accepted_tokens_total {s['accepted']}\n" +
                                  "".join(f'nanoinfer_samples_finished{{reason="{reason}"}} {n}\n'
                                          for reason, n in finished))
 
@@ -491,6 +493,8 @@ def main():
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="the fraction of the GPU's memory the "
                     "engine may fill, the KV cache taking what the weights leave; default: 0.9")
     ap.add_argument("--quantization", choices=["int8"], help="weight-only int8 (W8A16; the CPU backend only, so far)")
+    ap.add_argument("--speculative-config", type=json.loads, help='speculative decoding, as JSON: {"method": '
+                    '"ngram", "num_speculative_tokens": 3} (prompt_lookup_max, prompt_lookup_min too)')
     ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                     help="reuse the KV of prompts' shared first blocks across requests; default: on")
     args = ap.parse_args()
@@ -504,7 +508,8 @@ def main():
     try:
         engine = EngineProcess(model=args.model, device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
                                gpu_memory_utilization=args.gpu_memory_utilization,
-                               enable_prefix_caching=args.enable_prefix_caching, quantization=args.quantization)
+                               enable_prefix_caching=args.enable_prefix_caching, quantization=args.quantization,
+                               speculative_config=args.speculative_config)
     except RuntimeError as e:
         ap.exit(1, f"serve.py: the engine did not start: {e}\n")
     name = args.served_model_name or args.model

@@ -308,9 +308,11 @@ def test_chat_template_sources(tiny, tmp_path):
 
 def test_server_api_key_and_port_in_use(tiny):
     """--api-key: /v1 routes answer 401 in OpenAI's shape without the bearer token (or with another), 200 with it;
-    /health stays open; --no-enable-prefix-caching: no prompt token comes from the cache. A second server on the same port exits at once with 1, saying to pick another --port."""
+    /health stays open; --no-enable-prefix-caching: no prompt token comes from the cache; --speculative-config:
+    drafts are counted in /metrics and the text is plain decoding's. A second server on the same port exits at once with 1, saying to pick another --port."""
     import httpx
-    proc, url = start_server(tiny, "--api-key", "sekrit", "--no-enable-prefix-caching")
+    proc, url = start_server(tiny, "--api-key", "sekrit", "--no-enable-prefix-caching", "--speculative-config",
+                             '{"method": "ngram", "num_speculative_tokens": 3}')
     try:
         for headers in ({}, {"authorization": "Bearer wrong"}):
             r = httpx.get(url + "/v1/models", headers=headers)
@@ -320,6 +322,12 @@ def test_server_api_key_and_port_in_use(tiny):
         for _ in range(2):  # --no-enable-prefix-caching: the second computes its prompt again
             r = httpx.post(url + "/v1/completions", json=body, headers={"authorization": "Bearer sekrit"}).json()
             assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        prompt = [11, 22, 33, 44, 55] * 6  # repeats itself: n-gram drafts, counted in /metrics
+        want = LLM(str(tiny.path), device="cpu").generate([prompt], greedy(20), use_tqdm=False)[0].outputs[0].text
+        r = httpx.post(url + "/v1/completions", headers={"authorization": "Bearer sekrit"}, json={
+            "model": "tiny", "prompt": prompt, "max_tokens": 20, "temperature": 0, "ignore_eos": True}).json()
+        m = server_metrics(url)
+        assert r["choices"][0]["text"] == want and m["nanoinfer_spec_decode_num_draft_tokens_total"] > 0
         assert httpx.get(url + "/health").status_code == 200
         second = subprocess.run([sys.executable, str(HERE / "serve.py"), "--model", str(tiny.path), "--device", "cpu",
                                  "--port", url.rsplit(":", 1)[1]], capture_output=True, text=True, timeout=60)
