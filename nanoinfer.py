@@ -22,7 +22,7 @@ import numpy as np
 from checkpoint import Int8Weight, Tokenizer, load_config, load_weights, quantize_weights, resolve_model
 from paged_kv import PagedKVCache
 from sampling_params import (CompletionOutput, Logprob, Penalties, RequestOutput, SamplingParams, as_lists,  # noqa
-                             check_engine_arguments, logprobs_of, penalties, refuse_request)  # (Logprob, Penalties: API)
+                             check_engine_arguments, logprobs_of, penalties, refuse_request)  # (API)
 from scheduler import Scheduler, Sequence
 from speculation import NgramProposer, draft_row, token_indices
 
@@ -554,7 +554,7 @@ class LLM:
         for row, seq in enumerate(seqs):
             if seq.index == 0 and seq.num_output == 0:  # a request's first sample, at its first token
                 self._requests[seq.request_id].fork(self.kv, self.scheduler)
-            j = draft_row(seqs, row, drafted, self.speculator)  # a row of a sequence's draft: None if rejected
+            j = draft_row(seqs, row, drafted, self.speculator) if self.speculator else 0  # its draft's row, or None
             if j is None:
                 continue
             for i, token in enumerate(tokens[:, row]):

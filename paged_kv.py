@@ -60,15 +60,18 @@ class BlockAllocator:
             self.cached[block_hash], self.hash_of[block] = block, block_hash
 
 
-def block_hashes(token_ids, block_size, n, known=()):
-    """The hashes of the first n full blocks, after the `known` first ones: sha256 of the block before's hash and this
-    block's token ids. A collision would hand a request another's KV; with sha256 (vLLM's choice too) it is not a
-    practical risk, so a hit is not checked against the tokens."""
-    hashes, parent = list(known), known[-1] if known else b""
-    for i in range(len(known), n):
-        parent = hashlib.sha256(parent + np.asarray(token_ids[i * block_size:(i + 1) * block_size],
-                                                   np.int64).tobytes()).digest()
-        hashes.append(parent)
+def block_hash(parent, tokens):
+    """A full block's name: sha256 of the block before's name (b"" for the first) and its token ids. A collision would
+    hand a request another's KV; with sha256 (vLLM's choice too) it is not a practical risk, so a hit is not checked
+    against the tokens."""
+    return hashlib.sha256(parent + np.asarray(tokens, np.int64).tobytes()).digest()
+
+
+def block_hashes(token_ids, block_size, n):
+    """The names of the first n full blocks of token_ids."""
+    hashes = []
+    for i in range(n):
+        hashes.append(block_hash(hashes[-1] if hashes else b"", token_ids[i * block_size:(i + 1) * block_size]))
     return hashes
 
 
@@ -145,9 +148,9 @@ class PagedKVCache:
         last token (which it must compute, to sample from its logits): how many tokens they hold."""
         if not self.enable_prefix_caching or seq_id in self.block_tables:
             return 0
-        table, named = [], []
-        for i in range((len(token_ids) - 1) // self.block_size):  # hashed one block at a time, to the first miss
-            h = block_hashes(token_ids, self.block_size, i + 1, named)[-1]
+        table, named, bs = [], [], self.block_size
+        for i in range((len(token_ids) - 1) // bs):  # hashed one block at a time, to the first miss
+            h = block_hash(named[-1] if named else b"", token_ids[i * bs:(i + 1) * bs])
             if h not in self.allocator.cached:
                 break
             table.append(self.allocator.cached[h])
@@ -164,12 +167,10 @@ class PagedKVCache:
         table = self.block_tables.get(seq_id)
         if not self.enable_prefix_caching or table is None:
             return
-        named, n = self.named.setdefault(seq_id, []), min(num_computed // self.block_size, len(table))
-        if n <= len(named):  # most steps: no block filled
-            return
-        for block, h in zip(table[len(named):n], block_hashes(token_ids, self.block_size, n, named)[len(named):]):
-            self.allocator.name(block, h)
-            named.append(h)
+        named, bs = self.named.setdefault(seq_id, []), self.block_size
+        for i in range(len(named), min(num_computed // bs, len(table))):  # most steps: no block filled, none here
+            named.append(block_hash(named[-1] if named else b"", token_ids[i * bs:(i + 1) * bs]))
+            self.allocator.name(table[i], named[-1])
 
     def reset_prefix_cache(self):
         """Forget every cached block (vLLM's reset_prefix_cache): nothing is found until computed again."""
