@@ -246,13 +246,18 @@ def finish_by_steps(llm):
 
 def check_kv(kv):
     """free + used == total; a block is free or in tables, never both; its ref count is how many tables hold it (a
-    prompt's samples share blocks), 0 when free."""
+    prompt's samples share blocks), 0 when free. The prefix cache: hash -> block and back agree, and a block that a
+    sequence has named holds that name (the chain of its own tokens) or none."""
     a = kv.allocator
     used = Counter(b for t in kv.block_tables.values() for b in t)
     assert all(len(set(t)) == len(t) for t in kv.block_tables.values())
     assert len(a.free) == len(set(a.free)) and not set(used) & set(a.free)
     assert a.num_free() + len(used) == a.num_blocks == kv.num_blocks
     assert all(a.ref_count[b] == c for b, c in used.items()) and all(a.ref_count[b] == 0 for b in a.free)
+    assert len(a.cached) == len(a.hash_of) and all(a.hash_of[b] == h for h, b in a.cached.items())
+    for seq_id, named in kv.named.items():
+        table = kv.block_tables.get(seq_id, ())
+        assert len(named) <= len(table) and all(a.hash_of.get(b, h) == h for b, h in zip(table, named))
 
 
 def assert_idle(llm):

@@ -105,13 +105,13 @@ class Fault(Exception):
     """An error injected into a step."""
 
 
-def inject(monkeypatch, owner, name, error, at):
-    """Make owner.name raise `error` once, on its at-th call; returns [calls so far]."""
+def inject(monkeypatch, owner, name, error, at, when=lambda: True):
+    """Make owner.name raise `error` once, on its at-th call while when() holds; returns [such calls so far]."""
     original, calls = getattr(owner, name), [0]
 
     def faulty(*args, **kw):
-        calls[0] += 1
-        if calls[0] == at:
+        calls[0] += bool(when())
+        if calls[0] == at and when():
             raise error
         return original(*args, **kw)
     monkeypatch.setattr(owner, name, faulty)
@@ -128,7 +128,8 @@ FAULT_POINTS = {  # a step's calls, in order; the last four exist only in CUDA-g
     "carry_on": lambda llm: (cuda_backend.DecodeGraph, "carry_on"),
     "tokens": lambda llm: (cuda_backend.GraphRun, "tokens"),
 }
-FAULT_PROMPTS = [random_ids(20, 1), random_ids(5, 2), random_ids(9, 3)]
+FAULT_PROMPTS = [random_ids(20, 1), random_ids(5, 2) * 3, random_ids(8, 1) + random_ids(9, 3)]  # the third opens
+# as the first: two blocks from the prefix cache; the second repeats itself, for speculation's n-gram drafts
 FAULT_PARAMS = [greedy(24), SamplingParams(n=2, seed=5, max_tokens=12, ignore_eos=True),  # samples forked
                 greedy(8, logprobs=2)]  # logprobs: an eager decode on the GPU too
 FAULT_SIDE = (random_ids(7, 4), greedy(10))  # a request of add_request's, in the same batches
@@ -142,16 +143,43 @@ FAULT_CASES = [pytest.param(d.values[0], point, marks=d.marks, id=f"{point}-{d.i
 @pytest.mark.parametrize("dev,point", FAULT_CASES)
 def test_a_failed_step_is_undone(tiny, dev, point, error, at, monkeypatch):
     """An exception at any call of a step (prefill and decode; eager and CUDA-graph runs), on its 1st or 3rd call,
-    with chunked prefill and a pool tight enough to preempt: a Ctrl-C goes on to the caller, and the requests of
-    others that the step touched go back to waiting intact (they finish with their solo output); an error ends the
-    requests it touched with finish_reason 'error' (the rest finish as solo). Afterwards nothing is left, every block
-    is free, and the same requests give a fresh engine's output."""
+    with chunked prefill, a pool tight enough to preempt and prompts that share cached blocks: a Ctrl-C goes on to the
+    caller, and the requests of others that the step touched go back to waiting intact (they finish with their solo
+    output); an error ends the requests it touched with finish_reason 'error' (the rest finish as solo). Afterwards
+    nothing is left, every block is free, and the same requests give a fresh engine's output (so no block whose KV
+    the failed step left unfinished is found in the prefix cache)."""
     llm = make_llm(tiny, dev, num_kv_tokens=64, block_size=4, max_num_batched_tokens=16, num_scheduler_steps=2)
+    error = error("injected")
+    check_undone(tiny, dev, llm, error, lambda: inject(monkeypatch, *FAULT_POINTS[point](llm), error, at), at,
+                 monkeypatch, point)
+
+
+VERIFY_POINTS = {"forward": FAULT_POINTS["forward"], "draft_row": lambda llm: (ni, "draft_row"),
+                 "append": FAULT_POINTS["append"]}
+
+
+@pytest.mark.parametrize("error", [Fault, KeyboardInterrupt], ids=["error", "interrupt"])
+@pytest.mark.parametrize("point", VERIFY_POINTS)
+@pytest.mark.parametrize("dev", EXACT_DEVICES)
+def test_a_failed_verification_step_is_undone(tiny, dev, point, error, monkeypatch):
+    """Speculative decoding on: an exception in the first step that verifies drafts (in its forward, while its
+    draft rows are judged, or while its kept tokens are appended) is undone as any step is, and every request then
+    gets plain decoding's tokens: no rejected draft's KV is read or found in the prefix cache."""
+    llm = make_llm(tiny, dev, num_kv_tokens=64, block_size=4, max_num_batched_tokens=16,
+                   speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    verifying, error = lambda: any(s.draft for s in llm.scheduler.running), error("injected")  # noqa: E731
+    check_undone(tiny, dev, llm, error, lambda: inject(monkeypatch, *VERIFY_POINTS[point](llm), error, 1, verifying),
+                 1, monkeypatch, point)
+    assert llm.speculator.proposed > 0
+
+
+def check_undone(tiny, dev, llm, error, arm, at, monkeypatch, point):
+    """Run FAULT_PROMPTS (and FAULT_SIDE, added first) with the fault `error` that arm() injects at the at-th call it
+    counts, then check the outcome."""
     want = [solo(tiny, dev, p, q) for p, q in zip(FAULT_PROMPTS, FAULT_PARAMS)]
     want_side = solo(tiny, dev, *FAULT_SIDE)
     side = llm.add_request(*FAULT_SIDE)
-    error = error("injected")
-    calls = inject(monkeypatch, *FAULT_POINTS[point](llm), error, at)
+    calls = arm()
     outs = raised = None
     try:
         outs = llm.generate(FAULT_PROMPTS, FAULT_PARAMS)
