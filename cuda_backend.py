@@ -4,7 +4,8 @@ needs (the decode step a CUDA graph records, the KV cache) is handed in.
 
 1. Compiling kernels.cu, and launching its kernels (in a CUDA graph, as dependent launches).
 2. CudaBackend, the op set as kernels; plan_matmul and plan_attention pick a kernel, tile and split for each shape.
-3. GraphRunner: decode steps replayed from CUDA graphs, 16 per run, the next launched before this one's tokens are read.
+3. GraphRunner: decode steps replayed from CUDA graphs, 16 per run, the next launched before this one's tokens are read;
+   and a lone prompt's prefill replayed from one.
 """
 import contextlib
 import ctypes
@@ -211,6 +212,27 @@ def plan_attention(cu_seqlens_q, context_lens, min_q):
                 tile_q0=tile_q0[order])
 
 
+def pack_batch(batch, min_q):
+    """The batch's int32 arrays and attention plan (plan_attention) in one host buffer, each at a 16-byte step: the
+    buffer, the layout {field: (start, shape)} device_batch_of reads it by, and the longest attention row's keys."""
+    fields = {f: getattr(batch, f) for f in ("input_ids", "positions", "slot_mapping", "cu_seqlens_q",
+                                             "context_lens", "block_tables", "logits_idx")}
+    fields.update(plan_attention(batch.cu_seqlens_q, batch.context_lens, min_q))
+    fields = {f: np.asarray(a, np.int32) for f, a in fields.items() if a is not None}
+    starts = np.cumsum([0] + [cdiv(a.size, 4) * 4 for a in fields.values()])  # in int32s
+    host = np.zeros(starts[-1], np.int32)
+    for a, start in zip(fields.values(), starts):
+        host[start:start + a.size] = a.ravel()
+    layout = {f: (start, a.shape) for (f, a), start in zip(fields.items(), starts)}
+    return host, layout, int(fields["row_len"].max(initial=0))
+
+
+def device_batch_of(dev, layout, max_row_len):
+    """The device batch whose arrays are views of one device buffer laid out as pack_batch says."""
+    views = {f: dev[start:start + math.prod(shape)].reshape(shape) for f, (start, shape) in layout.items()}
+    return device_batch(**{"logits_idx": None, **views}, max_row_len=max_row_len)
+
+
 def device_batch(**fields):
     """A Batch on the GPU with its attention plan: what every op of a step reads."""
     return types.SimpleNamespace(n_rows=len(fields["row_seq"]), n_tiles=len(fields["tile_seq"]), **fields)
@@ -312,17 +334,8 @@ class CudaBackend:
 
     def to_device(self, batch):
         """The batch's int32 arrays and attention plan on the GPU in one copy (a copy each costs more host time)."""
-        fields = {f: getattr(batch, f) for f in ("input_ids", "positions", "slot_mapping", "cu_seqlens_q",
-                                                 "context_lens", "block_tables", "logits_idx")}
-        fields.update(plan_attention(batch.cu_seqlens_q, batch.context_lens, self.tile_min_q))
-        fields = {f: np.asarray(a, np.int32) for f, a in fields.items() if a is not None}
-        starts = np.cumsum([0] + [cdiv(a.size, 4) * 4 for a in fields.values()])  # in int32s: 16-byte steps
-        host = np.zeros(starts[-1], np.int32)
-        for a, start in zip(fields.values(), starts):
-            host[start:start + a.size] = a.ravel()
-        dev = cp.asarray(host)
-        views = {f: dev[start:start + a.size].reshape(a.shape) for (f, a), start in zip(fields.items(), starts)}
-        return device_batch(**{"logits_idx": None, **views}, max_row_len=int(fields["row_len"].max(initial=0)))
+        host, layout, max_row_len = pack_batch(batch, self.tile_min_q)
+        return device_batch_of(cp.asarray(host), layout, max_row_len)
 
     # ---- ops ----------------------------------------------------------------------------------
     def embed(self, wte, wpe, input_ids, positions):
@@ -484,6 +497,7 @@ class CudaBackend:
 GRAPH_BUCKETS = (1, 2, 4, 8) + tuple(range(16, 257, 16))  # decode batch sizes with a graph each: pads <= 15 rows
 MAX_STEPS_PER_RUN = 16  # decode steps one graph run may take (multi-step decoding), the size of the token ring
 ADMIT_GROUP = 8  # a full engine lets waiting requests in once 1/8 of its seats are free
+PREFILL_BUCKETS = (64, 128, 256, 512, 1024)  # a lone prompt's token counts with a graph each (up to the context)
 
 
 def steps_left(seqs, ahead, n_ctx):
@@ -636,13 +650,59 @@ class DecodeGraph:
         return GraphRun(self, seqs, sampling, plan.num_steps, starts, first, done)
 
 
+class PrefillGraph:
+    """One sequence's prefill of up to T tokens and the sampling of its first token, replayed from one CUDA graph.
+    Eager, a prefill launches ~100 kernels one by one from Python, which for prompts of GPT-2's sizes costs more than
+    the GPU's work: a lone request's time to first token (what a prefix-cache hit shortens) is the host's. The tokens
+    are padded to T: a pad computes at the last real position, writes no cache slot (-1), and is sampled by no one;
+    the sequence is declared T queries long, so each real query keeps its position and sees only real keys."""
+    def __init__(self, prefill_step, backend, kv, n_ctx, T, stream, pool):
+        self.T, self.stream, self.min_q = T, stream, backend.tile_min_q
+        self.width = kv.blocks_needed(n_ctx + T)  # the pads' queries may look past the context: entries 0
+        host, self.layout, _ = pack_batch(self.padded(types.SimpleNamespace(
+            input_ids=[0], positions=[0], slot_mapping=[-1], context_lens=[1], block_tables=np.zeros((1, 1)))), self.min_q)
+        with stream:
+            self.dev_buffer = cp.asarray(host)
+            batch = device_batch_of(self.dev_buffer, self.layout, n_ctx + T)
+            self.sampling = {f: cp.zeros(1, DecodeGraph.TYPES.get(f, np.int32)) for f in DecodeGraph.SAMPLING}
+            self.token = cp.zeros(1, np.int32)  # where every replay leaves the sampled token (not in the pool)
+
+            def step():
+                self.token[...] = prefill_step(batch, self.sampling)
+            with cp.cuda.using_allocator(pool.malloc):
+                step()  # warm-up, out of the capture
+                stream.synchronize()
+                self.graph = backend.capture(stream, step)
+        self.graph.upload(stream)
+
+    def padded(self, batch):
+        """The host fields of this one-sequence batch, its tokens padded to T."""
+        n, pad = len(batch.input_ids), self.T - len(batch.input_ids)
+        tables = np.zeros((1, self.width), np.int32)
+        tables[0, :batch.block_tables.shape[1]] = batch.block_tables[0]
+        return types.SimpleNamespace(
+            input_ids=np.pad(batch.input_ids, (0, pad)), positions=np.pad(batch.positions, (0, pad), mode="edge"),
+            slot_mapping=np.pad(batch.slot_mapping, (0, pad), constant_values=-1), cu_seqlens_q=[0, self.T],
+            context_lens=[batch.context_lens[0] + pad], block_tables=tables, logits_idx=[n - 1])
+
+    def run(self, batch, sampling):
+        """The sequence's first token, (1, 1): its inputs copied in (one copy, and one per sampling field), a replay."""
+        host, _, _ = pack_batch(self.padded(batch), self.min_q)
+        self.dev_buffer.set(host, stream=self.stream)
+        for f, a in self.sampling.items():
+            a.set(np.asarray(getattr(sampling, f)[:1], a.dtype), stream=self.stream)
+        self.graph.launch(self.stream)
+        return self.token.get(stream=self.stream)[None].astype(np.int64)
+
+
 class GraphRunner:
     """Decode batches (each sequence computes its last token and samples, none wants logprobs or edits its logits)
     replayed from CUDA graphs, in runs of up to MAX_STEPS_PER_RUN steps. `decode_step(batch, sampling)` is what a
     graph records: the engine's forward and sampler on device arrays (nanoinfer.ModelRunner.decode_step). Every
     graph is captured here, at start-up; and before the host reads a run's tokens, the next run is launched, going
-    on where that one stops, so the GPU computes while the host turns tokens into text. One stream: the engine's
-    eager steps run on it too (eager()), so a run ends before later work reuses its blocks."""
+    on where that one stops, so the GPU computes while the host turns tokens into text. A lone prompt's prefill replays
+    a graph too (PrefillGraph). One stream: the engine's eager steps run on it too (eager()), so a run ends before
+    later work reuses its blocks."""
     def __init__(self, decode_step, backend, kv, n_ctx, max_num_seqs, num_scheduler_steps=MAX_STEPS_PER_RUN):
         self.backend, self.kv, self.n_ctx = backend, kv, n_ctx
         self.num_scheduler_steps = min(num_scheduler_steps, MAX_STEPS_PER_RUN)
@@ -657,11 +717,25 @@ class GraphRunner:
         self.buckets = [b for b in GRAPH_BUCKETS if b < max_num_seqs] + [b for b in GRAPH_BUCKETS if b >= max_num_seqs][:1]
         self.graphs = {B: DecodeGraph(decode_step, backend, kv, n_ctx, B, self.stream, pool)
                        for B in reversed(self.buckets)}
+        self.prefills = {T: PrefillGraph(decode_step, backend, kv, n_ctx, T, self.stream, pool)
+                         for T in reversed(PREFILL_BUCKETS) if T <= n_ctx}
 
     def takes(self, batch, seqs):
         """Whether this batch is one the graphs run: a decode token for each sequence, each sampling as they do."""
         return len(batch.input_ids) == len(seqs) <= max(self.graphs) and \
             not any(s.logprobs is not None or s.edits_logits for s in seqs)
+
+    def takes_prefill(self, batch, seqs):
+        """Whether this batch is one the prefill graphs run: one sequence's tokens, sampling at its last (a prompt's
+        last chunk), as the decode graphs sample."""
+        return len(batch.cu_seqlens_q) == 2 and len(seqs) == len(batch.logits_idx) == 1 and \
+            len(batch.input_ids) <= max(self.prefills, default=0) and not (seqs[0].logprobs is not None or
+                                                                           seqs[0].edits_logits)
+
+    def prefill(self, batch, sampling):
+        """(1, 1): the first token of the lone sequence in this batch, from the smallest prefill graph that holds it."""
+        self.in_flight = None
+        return self.prefills[min(T for T in self.prefills if T >= len(batch.input_ids))].run(batch, sampling)
 
     def running_ahead(self):
         """Whether a run launched ahead computes running sequences (while it does, no request should come in: it

@@ -313,8 +313,8 @@ class ModelRunner:
                                       num_scheduler_steps)
             self.admission_group = self.graphs.admission_group  # admissions end graph runs: let requests in by groups
             b = self.graphs.buckets
-            log(f"captured {len(b)} CUDA graphs (decode batches of {b[0]} to {b[-1]} rows) in "
-                f"{time.perf_counter() - t0:.1f} s")
+            log(f"captured {len(b) + len(self.graphs.prefills)} CUDA graphs (decode batches of {b[0]} to {b[-1]} rows, "
+                f"lone prefills of up to {max(self.graphs.prefills, default=0)} tokens) in {time.perf_counter() - t0:.1f} s")
 
     def run(self, batch, seqs, launch_next=True):
         """(steps, R) sampled tokens of the rows that sample (seqs), and (R, V) host logits if any wants logprobs.
@@ -323,6 +323,8 @@ class ModelRunner:
             return self.eager(batch, seqs)
         if self.graphs.takes(batch, seqs) and not any(s.draft for s in seqs):
             return self.graphs.run(seqs, sampling_arrays(seqs), launch_next), None
+        if self.graphs.takes_prefill(batch, seqs):  # a lone prompt: one replay, not ~100 launches before its token
+            return self.graphs.prefill(batch, sampling_arrays(seqs)), None
         with self.graphs.eager():  # on the graphs' stream, after everything they launched
             return self.eager(batch, seqs)
 

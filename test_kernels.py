@@ -289,6 +289,26 @@ def test_cuda_graphs_change_no_token(tiny, monkeypatch):
     assert tokens == generate_greedy(tiny, dtype="float32", cuda_graphs=False)[1]
 
 
+
+@NO_GPU
+def test_a_lone_prefill_replays_its_graph(tiny, monkeypatch):
+    """A lone prompt's prefill, whole or after a prefix-cache hit, is one replay of the prefill graph of its size,
+    padded, and gives the eager step's tokens: greedy, and a seeded draw (T 0.8), for prompts of 2 to 127 tokens
+    (a bucket's edges: 64, 65). fp32, as test_cuda_graphs_change_no_token: the padded rows and the graph's attention
+    plan change only roundings, which cannot flip a choice there."""
+    runs = []
+    run = cuda_backend.PrefillGraph.run
+    monkeypatch.setattr(cuda_backend.PrefillGraph, "run", lambda g, *a: runs.append(g.T) or run(g, *a))
+    graphed, eager = (LLM(str(tiny.path), device="cuda", dtype="float32", num_kv_tokens=4096, cuda_graphs=on)
+                      for on in (True, False))
+    prompts = [random_ids(n, n) for n in (2, 40, 64, 65, 100, 127)] + [random_ids(64, 64) + random_ids(30, 1)]
+    for params in (greedy(3), SamplingParams(max_tokens=3, temperature=0.8, seed=5, ignore_eos=True)):
+        for p in prompts:  # one at a time: each prefill is lone; the last one finds the 64-token prompt's blocks
+            want = eager.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids
+            assert graphed.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids == want, len(p)
+    assert runs[:len(prompts)] == [64, 64, 64, 128, 128, 128, 64], runs
+
+
 @NO_GPU
 @pytest.mark.parametrize("which", ["tiny", "wide"])
 def test_dependent_launches_change_no_token(which, request, monkeypatch):

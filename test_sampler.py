@@ -16,9 +16,9 @@ import pytest
 
 import cuda_backend
 import nanoinfer as ni
-from conftest import NO_GPU
+from conftest import EOT, EXACT_DEVICES, NO_GPU, hf_logits, make_llm
 from cuda_backend import CudaBackend
-from nanoinfer import NumpyBackend
+from nanoinfer import NumpyBackend, SamplingParams
 
 try:
     import cupy as cp
@@ -260,3 +260,27 @@ def test_sampler_distribution(dev, temperature, top_k, top_p, min_p, draws):
     if draws == "five-tokens-seed-99":
         freq = np.bincount(toks, minlength=5) / N
         assert np.abs(freq - np.exp(logits)).max() < 0.015, freq
+
+
+@pytest.mark.parametrize("dev", EXACT_DEVICES)
+def test_speculation_samples_the_exact_distribution(tiny, dev):
+    """With n-gram speculation on, unseeded requests (T 0.3, top-k 20) on a prompt that repeats itself: every token
+    drawn, drafted and kept or sampled, follows the exact filtered distribution p of transformers' logits given the
+    tokens before it. A token t gives u = p(tokens before t in id order) + V p(t), V uniform on [0, 1): u is uniform
+    exactly when t is drawn from p, so u's counts in 20 equal bins pass a chi-square test (failing by chance about
+    once in a million runs). Some drafted tokens are kept along the way."""
+    rng = np.random.default_rng()
+    prompt, T, k = rng.integers(0, EOT, 6).tolist() * 3, 0.3, 20
+    llm = make_llm(tiny, dev, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    outs = llm.generate([prompt] * 300, SamplingParams(max_tokens=12, temperature=T, top_k=k, ignore_eos=True))
+    u = []
+    for o in outs:
+        toks = o.outputs[0].token_ids
+        for t, row in zip(toks, hf_logits(tiny, prompt + toks)[len(prompt) - 1:-1]):
+            p = ni.sampling_probs(row, T, k, 1.0, 0.0)
+            p /= p.sum()
+            u.append(p[:t].sum() + rng.random() * p[t])
+    counts = np.bincount(np.minimum((np.array(u) * 20).astype(int), 19), minlength=20)
+    chi2 = ((counts - len(u) / 20) ** 2 / (len(u) / 20)).sum()
+    assert chi2 < chi2_critical(19), (chi2, counts)
+    assert llm.speculator.accepted > 0.05 * len(u), (llm.speculator.accepted, len(u))
