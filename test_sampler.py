@@ -269,8 +269,8 @@ def test_speculation_samples_the_exact_distribution(tiny, dev):
     tokens before it. A token t gives u = p(tokens before t in id order) + V p(t), V uniform on [0, 1): u is uniform
     exactly when t is drawn from p, so u's counts in 20 equal bins pass a chi-square test (failing by chance about
     once in a million runs). Some drafted tokens are kept along the way."""
-    rng = np.random.default_rng()
-    prompt, T, k = rng.integers(0, EOT, 6).tolist() * 3, 0.3, 20
+    rng = np.random.default_rng()  # the draws: unseeded requests, and V; the prompt: one the drafts often hit
+    prompt, T, k = np.random.default_rng(2).integers(0, EOT, 6).tolist() * 3, 0.3, 20
     llm = make_llm(tiny, dev, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     outs = llm.generate([prompt] * 300, SamplingParams(max_tokens=12, temperature=T, top_k=k, ignore_eos=True))
     u = []
@@ -283,4 +283,4 @@ def test_speculation_samples_the_exact_distribution(tiny, dev):
     counts = np.bincount(np.minimum((np.array(u) * 20).astype(int), 19), minlength=20)
     chi2 = ((counts - len(u) / 20) ** 2 / (len(u) / 20)).sum()
     assert chi2 < chi2_critical(19), (chi2, counts)
-    assert llm.speculator.accepted > 0.05 * len(u), (llm.speculator.accepted, len(u))
+    assert llm.speculator.accepted > 0.04 * len(u), (llm.speculator.accepted, len(u))  # ~10 % of them
