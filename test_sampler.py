@@ -271,7 +271,8 @@ def test_speculation_samples_the_exact_distribution(tiny, dev):
     once in a million runs). Some drafted tokens are kept along the way."""
     rng = np.random.default_rng()  # the draws: unseeded requests, and V; the prompt: one the drafts often hit
     prompt, T, k = np.random.default_rng(2).integers(0, EOT, 6).tolist() * 3, 0.3, 20
-    llm = make_llm(tiny, dev, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    # one step a schedule: a graph run of 16 steps (no drafts in it) would finish most requests before they draft
+    llm = make_llm(tiny, dev, speculative_config={"method": "ngram", "num_speculative_tokens": 3}, num_scheduler_steps=1)
     outs = llm.generate([prompt] * 300, SamplingParams(max_tokens=12, temperature=T, top_k=k, ignore_eos=True))
     u = []
     for o in outs:
