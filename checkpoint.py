@@ -322,3 +322,8 @@ class Tokenizer:
 
     def token_bytes(self, token):
         return self.enc.decode_single_token_bytes(token)
+
+    def same_vocabulary(self, other):
+        """Whether every token id means the same bytes in both (a draft model's, speculation.py)."""
+        return self.n_vocab == other.n_vocab and self.eot_token == other.eot_token and all(
+            self.token_bytes(t) == other.token_bytes(t) for t in range(self.n_vocab))

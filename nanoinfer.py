@@ -22,9 +22,10 @@ import numpy as np
 from checkpoint import Int8Weight, Tokenizer, load_config, load_weights, quantize_weights, resolve_model
 from paged_kv import PagedKVCache
 from sampling_params import (CompletionOutput, Logprob, Penalties, RequestOutput, SamplingParams, as_lists,  # noqa
-                             check_engine_arguments, logprobs_of, penalties, refuse_request)  # (API)
+                             add_prompt_logprobs, check_engine_arguments, logprobs_of, penalties, refuse_request,
+                             sample_seed)  # (API)
 from scheduler import Scheduler, Sequence
-from speculation import NgramProposer, draft_row, token_indices
+from speculation import DraftModelProposer, NgramProposer, draft_row, token_indices
 
 # -----------------------------------------------------------------------------
 # the numpy backend: the readable definition of every op, the reference in tests, and a CPU engine
@@ -402,7 +403,34 @@ class Request:
         return RequestOutput(self.request_id, self.prompt, self.seqs[0].prompt_token_ids,
                              [completion(s) for s in self.seqs], self.finished,
                              next((s.error for s in self.seqs if s.error), None), self.seqs[0].prompt_logprobs,
-                             self.seqs[0].num_cached_tokens or 0)
+                             self.seqs[0].num_cached_tokens or 0, sum(s.num_draft_tokens for s in self.seqs),
+                             sum(s.num_accepted_tokens for s in self.seqs))
+
+
+class DraftModel:
+    """The draft of vLLM's draft-model speculation ({"model": ..., "num_speculative_tokens": k}): a smaller GPT-2 of
+    the same vocabulary and at least the target's context, on the target's backend. Its K/V sit in the target's
+    blocks, in tensors of its own; step() is its forward over sequence views (speculation.view) and the sampler."""
+    def __init__(self, spec, llm):
+        path, self.config = resolve_model(spec["model"]), load_config(resolve_model(spec["model"]))
+        c, tokenizer = self.config, Tokenizer(path, self.config.vocab_size)
+        llm.backend.check_model(c)
+        if not tokenizer.same_vocabulary(llm.tokenizer) or c.n_ctx < llm.config.n_ctx:
+            raise ValueError(f"speculative_config={spec!r}: a draft model needs the target's vocabulary (ids meaning "
+                             f"the same bytes) and context ({llm.config.n_ctx}); {path} has " + (
+                                 f"a context of {c.n_ctx}" if c.n_ctx < llm.config.n_ctx else "another vocabulary"))
+        self.model = GPT(c, load_weights(path, c), llm.backend, tokenizer.n_vocab)
+
+    def attach(self, kv):
+        """Its K/V tensors for the target's pool (its own tensors, the target's blocks); its step function."""
+        c, self.target_kv = self.config, kv
+        self.kv = PagedKVCache(self.model.backend, c.n_layer, c.n_head, c.head_dim, kv.num_blocks, kv.block_size, False)
+        return self.step
+
+    def step(self, views):
+        """(R,) tokens: each view's next token, sampled by the keyed race from the draft model's logits."""
+        batch, seqs, _ = make_batch([(v, len(v.token_ids) - v.num_computed) for v in views], self.target_kv)
+        return self.model.backend.sample(self.model.forward(batch, self.kv), *sampling_arrays(seqs))
 
 
 class LLM:
@@ -434,13 +462,16 @@ class LLM:
         if quantization == "int8":  # weight-only int8 (W8A16), quantized here from the checkpoint's weights
             weights = quantize_weights(weights, self.tokenizer.n_vocab)
         self.model = GPT(c, weights, self.backend, self.tokenizer.n_vocab)
+        spec = speculative_config
+        draft = DraftModel(spec, self) if isinstance(spec, dict) and "model" in spec else None  # else "ngram"
         blocks = PagedKVCache.pool_blocks(c, self.backend, num_kv_tokens, gpu_memory_utilization, max_num_seqs,
-                                          block_size)
+                                          block_size, draft and draft.config)
         self.kv = PagedKVCache(self.backend, c.n_layer, c.n_head, c.head_dim, blocks, block_size, enable_prefix_caching)
         log(f"KV cache: {blocks * block_size:,} tokens ({self.kv.nbytes / 2 ** 30:.2f} GiB), {blocks} blocks of "
             f"{block_size}; max_num_seqs={max_num_seqs} x n_ctx={c.n_ctx} is the most it can use")
         self.runner = ModelRunner(self.model, self.kv, cuda_graphs, num_scheduler_steps, max_num_seqs)
-        self.speculator = speculative_config and NgramProposer(speculative_config, c.n_ctx)  # vLLM's "ngram"
+        self.speculator = spec and (DraftModelProposer(spec, c.n_ctx, draft.attach(self.kv), self.kv) if draft else
+                                    NgramProposer(spec, c.n_ctx))
         self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens, self.runner.admission_group,
                                    self.speculator and self.speculator.propose)
         self._rng = np.random.default_rng(seed)  # seeds for requests that bring none
@@ -512,6 +543,8 @@ class LLM:
             scheduled = self.scheduler.schedule(admit=not self.runner.running_ahead())
             saved.update((seq, seq.checkpoint()) for seq, _ in scheduled)
             events = []
+            if self.speculator:  # the drafts of the decodes given room for one (speculation.py)
+                self.speculator.fill([seq for seq, _ in scheduled])
             if scheduled:
                 batch, seqs, prompt_rows = make_batch(scheduled, self.kv)  # the flat batch; who samples; prompt rows
                 # (steps, R) new tokens; (R, V) logits for logprobs. A graph run launches the next one before its
@@ -662,21 +695,6 @@ class Exclusive:
                     signal.signal(signal.SIGINT, signal.default_int_handler)
             if interrupted:
                 raise KeyboardInterrupt
-
-
-def add_prompt_logprobs(prompt_rows, logits, row, tokenizer):
-    """Each (sequence, positions) its prompt log-probs: position p's logits (from `row` on, after the samplers')
-    score prompt token p + 1."""
-    for seq, span in prompt_rows:
-        for p in span:
-            seq.prompt_logprobs.append(logprobs_of(logits[row], seq.prompt_token_ids[p + 1],
-                                                   seq.params.prompt_logprobs, tokenizer))
-            row += 1
-
-
-def sample_seed(seed, index):
-    """The seed of a request's index-th sample: the request's own for the first, a different stream for each other."""
-    return seed if index == 0 else (seed ^ (index * 0xD1B54A32D192ED03)) % 2 ** 64
 
 
 def log(message):

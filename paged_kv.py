@@ -94,11 +94,13 @@ class PagedKVCache:
         return 2 * n_layer * n_head * head_dim * itemsize  # K and V, every layer
 
     @staticmethod
-    def pool_blocks(config, backend, num_kv_tokens, fraction, max_num_seqs, block_size):
-        """num_kv_tokens, or what fits (the backend's budget: on a GPU, its memory fraction the weights leave), but never
-        more than the engine can use: max_num_seqs full contexts are the most alive at once."""
+    def pool_blocks(config, backend, num_kv_tokens, fraction, max_num_seqs, block_size, draft_config=None):
+        """num_kv_tokens, or what fits (the backend's budget: on a GPU, its memory fraction the weights leave; a draft
+        model's K/V share each slot), but never more than the engine can use: max_num_seqs full contexts are the most
+        alive at once."""
         c = config
-        per_token = PagedKVCache.bytes_per_token(c.n_layer, c.n_head, c.head_dim, backend.dtype.itemsize)
+        per_token = sum(PagedKVCache.bytes_per_token(m.n_layer, m.n_head, m.head_dim, backend.dtype.itemsize)
+                        for m in (c, draft_config) if m is not None)
         if num_kv_tokens is None:
             budget = backend.kv_cache_budget(fraction)
             if budget < per_token * c.n_ctx:

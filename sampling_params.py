@@ -108,6 +108,8 @@ class RequestOutput:  # as vLLM's, and `error`: why a request failed or was refu
     error: str = None
     prompt_logprobs: list = None  # with prompt_logprobs=k: None for the first prompt token, then as logprobs
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    num_draft_tokens: int = 0  # speculative decoding: draft tokens the target verified (its samples' sum)
+    num_accepted_tokens: int = 0  # ... and kept
 
     @classmethod
     def refused(cls, prompt, error):
@@ -206,3 +208,18 @@ def penalties(seqs):
     per_row = lambda name: np.array([getattr(s.params, name) for s in seqs], np.float32)
     return Penalties(rows, ids, counts, banned.astype(bool), repetition, per_row("presence_penalty"),
                      per_row("frequency_penalty"), bias)
+
+
+def add_prompt_logprobs(prompt_rows, logits, row, tokenizer):
+    """Each (sequence, positions) its prompt log-probs: position p's logits (from `row` on, after the samplers')
+    score prompt token p + 1."""
+    for seq, span in prompt_rows:
+        for p in span:
+            seq.prompt_logprobs.append(logprobs_of(logits[row], seq.prompt_token_ids[p + 1],
+                                                   seq.params.prompt_logprobs, tokenizer))
+            row += 1
+
+
+def sample_seed(seed, index):
+    """The seed of a request's index-th sample: the request's own for the first, a different stream for each other."""
+    return seed if index == 0 else (seed ^ (index * 0xD1B54A32D192ED03)) % 2 ** 64

@@ -35,6 +35,7 @@ class Sequence:
         self.error = None  # why, when finish_reason is 'error'
         self.num_cached_tokens = None  # at its first admission: the tokens whose KV the prefix cache held
         self.draft = []  # speculative tokens this step computes after its last (speculation.py)
+        self.num_draft_tokens = self.num_accepted_tokens = 0  # draft tokens it had verified, and kept
         self.logprobs = [] if params.logprobs is not None else None
         # the first sample computes the prompt's log-probs (the others share its KV): None for its first token
         self.prompt_logprobs = [None] if params.prompt_logprobs is not None and index == 0 else None

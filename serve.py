@@ -313,7 +313,8 @@ def make_app(engine, model_name, chat_template=None, api_key=None):
                                  f"nanoinfer_prefix_cache_queries_total {s['prefix_queries']}\n"
                                  f"nanoinfer_prefix_cache_hits_total {s['prefix_hits']}\n"
                                  f"nanoinfer_spec_decode_num_draft_tokens_total {s['drafted']}\n"
-                                 f"nanoinfer_spec_decode_num_accepted_tokens_total {s['accepted']}\n" +
+                                 f"nanoinfer_spec_decode_num_accepted_tokens_total {s['accepted']}\n"
+                                 f"nanoinfer_spec_decode_acceptance_rate {s['accepted'] / max(s['drafted'], 1)}\n" +
                                  "".join(f'nanoinfer_samples_finished{{reason="{reason}"}} {n}\n'
                                          for reason, n in finished))
 
@@ -494,7 +495,8 @@ def main():
                     "engine may fill, the KV cache taking what the weights leave; default: 0.9")
     ap.add_argument("--quantization", choices=["int8"], help="weight-only int8 (W8A16; the CPU backend only, so far)")
     ap.add_argument("--speculative-config", type=json.loads, help='speculative decoding, as JSON: {"method": '
-                    '"ngram", "num_speculative_tokens": 3} (prompt_lookup_max, prompt_lookup_min too)')
+                    '"ngram", "num_speculative_tokens": 3} (prompt_lookup_max, prompt_lookup_min too), or a draft '
+                    'model: {"model": "gpt2", "num_speculative_tokens": 3}')
     ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                     help="reuse the KV of prompts' shared first blocks across requests; default: on")
     args = ap.parse_args()

@@ -1,49 +1,130 @@
-"""Speculative decoding with n-gram drafts (vLLM's "ngram", prompt lookup): fewer target steps, no token changed.
+"""Speculative decoding: fewer target steps, no token changed.
 
-A decode step reads every weight to make one token per sequence. A sequence whose last n tokens occurred earlier in
-it guesses that what followed them then follows now: a draft of up to k tokens. The step computes its last token and
-the draft as one chunk of k + 1 queries (as a chunked prefill would), samples a token at each position, and keeps the
-draft up to the first drafted token that differs from the token sampled in its place, and that sampled token: 1 to
-k + 1 tokens for the weights read once.
+A decode step reads every weight to make one token per sequence. A sequence that can guess what comes next (a draft
+of up to k tokens) computes its last token and the draft as one chunk of k + 1 queries (as a chunked prefill would),
+samples a token at each position, and keeps the draft up to the first drafted token that differs from the token
+sampled in its place, and that sampled token: 1 to k + 1 tokens for the weights read once. Two ways to guess, vLLM's:
+- "ngram" (prompt lookup): if the sequence's last n tokens occurred earlier in it, what followed them then;
+- a draft model ({"model": ..., "num_speculative_tokens": k}): a smaller GPT-2 of the same vocabulary samples k tokens
+  one after another, each with the target's own keyed race (same seed, same token index), so that where the two
+  models agree on the distribution they agree on the token.
 
 The tokens kept are the tokens plain decoding makes: each is drawn by the same race keyed by (seed, token index,
 token id), at the same index, from logits over the same tokens before it (a kept draft token is the token plain
-decoding sampled there). A rejected position's KV is never read: the next step writes that slot again.
+decoding sampled there). A rejected position's KV is never read: the next step writes that slot again. So whatever
+the draft, however wrong, only the speed changes.
 """
+import types
+
 import numpy as np
 
+FORMS = ('{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 1} or '
+         '{"model": a GPT-2 name or directory, "num_speculative_tokens": k}')
 
-class NgramProposer:
-    """Drafts for decoding sequences, and how many of them were proposed and accepted (vLLM's counters)."""
+
+class Proposer:
+    """What both ways share: k, the room a sequence has for a draft, and vLLM's counters (draft tokens the target
+    verified, and those it kept)."""
     def __init__(self, config, n_ctx):
-        if not isinstance(config, dict) or config.get("method") != "ngram":
-            raise ValueError(f"speculative_config={config!r}: this engine drafts by n-gram only: "
-                             '{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4, '
-                             '"prompt_lookup_min": 1}')
+        if not isinstance(config, dict):
+            raise ValueError(f"speculative_config={config!r}: a dict, vLLM's: {FORMS}")
         self.k = config.get("num_speculative_tokens")
-        self.n_max, self.n_min = config.get("prompt_lookup_max", 4), config.get("prompt_lookup_min", 1)
-        if not all(isinstance(v, int) and v >= 1 for v in (self.k, self.n_max, self.n_min)) or self.n_min > self.n_max:
-            raise ValueError(f"speculative_config={config!r}: num_speculative_tokens, prompt_lookup_max and "
-                             "prompt_lookup_min are integers >= 1, prompt_lookup_min <= prompt_lookup_max")
+        if not isinstance(self.k, int) or self.k < 1:
+            raise ValueError(f"speculative_config={config!r}: num_speculative_tokens is an integer >= 1")
         self.n_ctx, self.proposed, self.accepted = n_ctx, 0, 0
 
-    def propose(self, seq, budget):
-        """seq's draft: after the latest earlier occurrence of its last n tokens (n from prompt_lookup_max down),
-        what came next, at most k tokens, the tokens it may still make but one, what fits the context, and the
-        step's token budget. None for a sequence that edits its logits or wants log-probs (kept exact and simple)."""
+    def room(self, seq, budget):
+        """How many tokens seq may draft: at most k, the tokens it may still make but one, what fits the context,
+        and the step's token budget; none for a sequence that edits its logits or wants log-probs (kept exact and
+        simple)."""
         p = seq.params
-        room = min(self.k, budget, p.max_tokens - seq.num_output - 1, self.n_ctx - len(seq.token_ids))
-        if room <= 0 or seq.edits_logits or p.logprobs is not None:
+        if seq.edits_logits or p.logprobs is not None:
+            return 0
+        return max(0, min(self.k, budget, p.max_tokens - seq.num_output - 1, self.n_ctx - len(seq.token_ids)))
+
+    def fill(self, seqs):
+        """Make the drafts of this step's sequences (those the scheduler gave room to): the n-gram's are made."""
+
+
+class NgramProposer(Proposer):
+    """Drafts by prompt lookup (vLLM's "ngram")."""
+    def __init__(self, config, n_ctx):
+        super().__init__(config, n_ctx)
+        if config.get("method") != "ngram":
+            raise ValueError(f"speculative_config={config!r}: this engine drafts by {FORMS}")
+        self.n_max, self.n_min = config.get("prompt_lookup_max", 4), config.get("prompt_lookup_min", 1)
+        if not all(isinstance(v, int) and v >= 1 for v in (self.n_max, self.n_min)) or self.n_min > self.n_max:
+            raise ValueError(f"speculative_config={config!r}: prompt_lookup_max and prompt_lookup_min are integers "
+                             ">= 1, prompt_lookup_min <= prompt_lookup_max")
+
+    def propose(self, seq, budget):
+        """seq's draft: after the latest earlier occurrence of its last n tokens (n from prompt_lookup_max down), what
+        came next, as much as its room holds."""
+        room = self.room(seq, budget)
+        if room <= 0:
             return []
         ids = np.asarray(seq.token_ids)
         for n in range(min(self.n_max, len(ids) - 1), self.n_min - 1, -1):
             windows = np.lib.stride_tricks.sliding_window_view(ids[:-1], n)  # every earlier n tokens
             starts = np.flatnonzero((windows == ids[-n:]).all(1))
             if len(starts):
-                draft = ids[starts[-1] + n:starts[-1] + n + room].tolist()
-                self.proposed += len(draft)
-                return draft
+                return ids[starts[-1] + n:starts[-1] + n + room].tolist()
         return []
+
+
+class DraftModelProposer(Proposer):
+    """Drafts by a smaller model. `draft_step(views)`: the draft model's forward over sequence views (view()) and the
+    keyed sampler at each one's last token (nanoinfer.DraftModel). Its K/V live in the target's blocks, in tensors of
+    its own, so the target's block tables serve it too. Per sequence it remembers how many tokens have their draft
+    K/V written and in which blocks (`computed`), and the draft tokens it was fed (`fed`): after the target's step,
+    those the sequence kept have right K/V too."""
+    def __init__(self, config, n_ctx, draft_step, kv):
+        super().__init__(config, n_ctx)
+        if config.get("method", "draft_model") != "draft_model":
+            raise ValueError(f"speculative_config={config!r}: this engine drafts by {FORMS}")
+        self.draft_step, self.kv = draft_step, kv
+        self.computed = {}  # seq_id -> (tokens with draft K/V written, the blocks they lie in)
+        self.fed = {}  # seq_id -> (position, the draft tokens fed to the draft model from there)
+
+    def propose(self, seq, budget):
+        """Room for the draft: its tokens are fill's, made once the step's drafting sequences are known."""
+        return [0] * self.room(seq, budget)
+
+    def fill(self, seqs):
+        """Draft for every sequence given room: one forward over its tokens the draft model has not seen (its prompt,
+        the first time) and one a draft token, each draft token sampled with the target's keyed race."""
+        drafting = [s for s in dict.fromkeys(seqs) if s.draft]
+        self.computed = {i: c for i, c in self.computed.items() if i in self.kv.block_tables}  # forget those gone
+        starts = [self._seen(s) for s in drafting]
+        for j in range(max((len(s.draft) for s in drafting), default=0)):
+            rows = [r for r, s in enumerate(drafting) if j < len(s.draft)]
+            views = [view(drafting[r], starts[r] if j == 0 else len(drafting[r].token_ids) + j - 1, j) for r in rows]
+            for r, token in zip(rows, self.draft_step(views)):
+                drafting[r].draft[j] = int(token)
+        for s in drafting:  # the last draft token is never fed
+            n = len(s.token_ids) + len(s.draft) - 1
+            self.computed[s.seq_id] = (n, tuple(self.kv.block_tables[s.seq_id][:self.kv.blocks_needed(n)]))
+            self.fed[s.seq_id] = (len(s.token_ids), s.draft[:-1])
+
+    def _seen(self, seq):
+        """How many of seq's first tokens have right draft K/V, all but its last at most (fed now): those written, up
+        to the first draft token fed that the sequence did not keep; none if its blocks changed (a preemption)."""
+        n, blocks = self.computed.get(seq.seq_id, (0, ()))
+        if tuple(self.kv.block_tables[seq.seq_id][:len(blocks)]) != blocks:
+            n = 0
+        position, fed = self.fed.pop(seq.seq_id, (n, []))
+        after = seq.token_ids[position:]
+        kept = next((i for i, (a, b) in enumerate(zip(fed, after)) if a != b), min(len(fed), len(after)))
+        return min(n, position + kept, len(seq.token_ids) - 1)
+
+
+def view(seq, start, j):
+    """A sequence as the draft model sees it at draft token j: its tokens and its first j drafts (the draft model's
+    input), computing from `start`, sampling at token index num_output + j. What nanoinfer.make_batch and
+    sampling_arrays read of a sequence."""
+    return types.SimpleNamespace(seq_id=seq.seq_id, token_ids=seq.token_ids + seq.draft[:j], num_computed=start,
+                                 draft=[], params=seq.params, seed=seq.seed, num_output=seq.num_output + j,
+                                 prompt_logprob_span=lambda n: None)
 
 
 def token_indices(seqs):
@@ -64,8 +145,11 @@ def draft_row(seqs, row, drafted, proposer):
     seq = seqs[row]
     if seq.draft and j == 0:
         drafted[seq], seq.num_computed = seq.num_output, seq.num_computed - len(seq.draft)
+        proposer.proposed += len(seq.draft)
+        seq.num_draft_tokens += len(seq.draft)
     elif j > 0:
         if seq.finish_reason or seq.num_output != drafted[seq] + j or seq.token_ids[-1] != seq.draft[j - 1]:
             return None
         proposer.accepted += 1
+        seq.num_accepted_tokens += 1
     return j

@@ -123,13 +123,14 @@ STRESS_EXAMPLES = int(os.environ.get("NANOINFER_STRESS_EXAMPLES", 20))  # raised
 @settings(max_examples=STRESS_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(reqs=st.lists(REQUEST, min_size=2, max_size=6), block_size=st.sampled_from([1, 4, 16, 32]),
        slack=st.sampled_from([0, 0, 1, 16, 64]), max_batched=st.sampled_from([3, 8, 32, 2048]),
-       max_seqs=st.sampled_from([1, 2, 256]), speculate=st.sampled_from([0, 0, 1, 3]))
-def test_stress_every_request_gets_its_solo_output(tiny, dev, reqs, block_size, slack, max_batched, max_seqs,
+       max_seqs=st.sampled_from([1, 2, 256]),
+       speculate=st.sampled_from([None, None, ("ngram", 1), ("ngram", 3), ("tiny", 2), ("wide", 3)]))
+def test_stress_every_request_gets_its_solo_output(tiny, wide, dev, reqs, block_size, slack, max_batched, max_seqs,
                                                    speculate):
     """Random requests (greedy or seeded sampling; a quarter with prompt log-probs; a third opening alike, for the
-    prefix cache; a fifth repeating themselves, for n-gram drafts, on in half the runs, k = 1 or 3) arriving while
-    others run, some aborted at a random step, on random pools (down to the smallest that fits the largest request),
-    block sizes and budgets: every request finishes with its solo output (alone, no speculation; an aborted one: a
+    prefix cache; a fifth repeating themselves, for n-gram drafts; speculation on in 2 runs of 3: n-gram, k = 1 or 3,
+    or a draft model, the target itself or another, k = 2 or 3) arriving while others run, some aborted at a random
+    step, on random pools (down to the smallest that fits the largest request), block sizes and budgets: every request finishes with its solo output (alone, no speculation; an aborted one: a
     prefix of it) and its prompt log-probs (each prompt token's once, within 1e-4 of solo's), the allocator
     invariants hold after every step, and no block leaks."""
     work = []
@@ -144,7 +145,9 @@ def test_stress_every_request_gets_its_solo_output(tiny, dev, reqs, block_size, 
             ids = (ids[:max(1, length // 3)] * 3)[:length]
         work.append((arrival, ids, params, abort))
     biggest = max(-(-(len(p) + q.max_tokens) // block_size) for _, p, q, _ in work) * block_size
-    spec = {"method": "ngram", "num_speculative_tokens": speculate, "prompt_lookup_min": 1} if speculate else None
+    method, k = speculate or (None, 0)
+    spec = None if not k else {"method": "ngram", "num_speculative_tokens": k} if method == "ngram" else \
+        {"model": str({"tiny": tiny, "wide": wide}[method].path), "num_speculative_tokens": k}
     llm = make_llm(tiny, dev, block_size=block_size, num_kv_tokens=biggest + slack,
                    max_num_batched_tokens=max_batched, max_num_seqs=max_seqs, speculative_config=spec)
     pending, ids, done, aborts, t, idle = sorted(work, key=lambda w: w[0]), {}, {}, {}, 0, 0

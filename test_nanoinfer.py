@@ -15,6 +15,8 @@ kernels against their numpy twins), test_sampler.py, test_kv_scheduler.py, test_
 test_server.py and test_cli.py.
 """
 import dataclasses
+import json
+import shutil
 
 import numpy as np
 import pytest
@@ -302,26 +304,54 @@ def test_int8_quality_against_transformers(tiny):
 
 
 @pytest.mark.parametrize("dev", EXACT_DEVICES)
-def test_ngram_speculation_changes_no_token(tiny, dev):
-    """speculative_config={"method": "ngram", ...}: on prompts that repeat themselves, drafts are proposed and some
-    accepted, and every output is plain decoding's, token for token: greedy, seeded sampling (T 0.3), a stop string,
-    n = 2, max_tokens edges, and a pool small enough to preempt; every block is free after. A bad config is refused."""
+@pytest.mark.parametrize("method", ["ngram", "draft model: the target", "draft model: another"])
+def test_speculation_changes_no_token(tiny, wide, dev, method):
+    """speculative_config, vLLM's two ways: n-gram drafts, and a draft model (the target itself: nearly every draft
+    kept; or another GPT-2 of the same vocabulary and a longer context). On prompts that repeat themselves drafts are
+    proposed and some kept, each request counting its own, and every output is plain decoding's, token for token:
+    greedy, seeded sampling (T 0.3), a stop string, n = 2, max_tokens edges, and a pool small enough to preempt;
+    every block is free after. A bad config is refused, naming what is wrong."""
     rng = np.random.default_rng(4)
     prompts = [(lambda b: b * 3)(rng.integers(0, EOT, 8).tolist()) for _ in range(6)]
     params = [greedy(30), SamplingParams(max_tokens=30, temperature=0.3, seed=9, ignore_eos=True),
               greedy(30, n=2), greedy(1), greedy(2), SamplingParams(max_tokens=30, temperature=0, stop=["e"])]
-    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    spec = {"ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1},
+            "draft model: the target": {"model": str(tiny.path), "num_speculative_tokens": 3},
+            "draft model: another": {"model": str(wide.path), "num_speculative_tokens": 2}}[method]
     for kw in (dict(), dict(num_kv_tokens=160, block_size=16)):
         plain = make_llm(tiny, dev, **kw).generate(prompts, params, use_tqdm=False)
         llm = make_llm(tiny, dev, speculative_config=spec, **kw)
         outs = llm.generate(prompts, params, use_tqdm=False)
         assert [[c.token_ids for c in o.outputs] for o in outs] == [[c.token_ids for c in o.outputs] for o in plain]
         assert [o.outputs[0].text for o in outs] == [o.outputs[0].text for o in plain]
-        assert llm.speculator.proposed > llm.speculator.accepted > 0, (llm.speculator.proposed, llm.speculator.accepted)
+        s = llm.speculator
+        assert s.proposed > s.accepted > 0, (s.proposed, s.accepted)
+        assert (sum(o.num_draft_tokens for o in outs), sum(o.num_accepted_tokens for o in outs)) == (s.proposed,
+                                                                                                     s.accepted)
+        if method == "draft model: the target":
+            assert s.accepted > 0.9 * s.proposed, (s.proposed, s.accepted)
         assert llm.kv.allocator.num_free() == llm.kv.num_blocks and (llm.scheduler.num_preemptions > 0) == bool(kw)
-    for bad in ({"method": "draft"}, {"method": "ngram", "num_speculative_tokens": 0}, "ngram"):
+    for bad in ({"method": "draft"}, {"method": "ngram", "num_speculative_tokens": 0}, "ngram",
+                {"model": str(wide.path)}):
         with pytest.raises(ValueError, match="speculative_config"):
             make_llm(tiny, dev, speculative_config=bad)
+
+
+def test_a_draft_model_of_another_vocabulary_or_a_shorter_context_is_refused(tiny, tmp_path):
+    """A draft model whose token ids mean other bytes (two vocabulary entries swapped), or whose context is shorter
+    than the target's, is refused with a ValueError that says which."""
+    for what, edit in (("another vocabulary", "vocab.json"), ("a context of 64", "config.json")):
+        d = tmp_path / edit
+        shutil.copytree(tiny.path, d)
+        data = json.loads((d / edit).read_text())
+        if edit == "vocab.json":
+            a, b = list(data)[300:302]
+            data[a], data[b] = data[b], data[a]
+        else:
+            data["n_positions"] = data["n_ctx"] = 64
+        (d / edit).write_text(json.dumps(data))
+        with pytest.raises(ValueError, match=what):
+            make_llm(tiny, CPU, speculative_config={"model": str(d), "num_speculative_tokens": 2})
 
 
 def test_stream_matches_generate(tiny, dev, greedy_cases):

@@ -45,7 +45,7 @@ def server(tiny):
 
 def server_metrics(url):
     import httpx
-    return {k: int(v) for k, v in (line.split() for line in httpx.get(url + "/metrics").text.splitlines())}
+    return {k: float(v) for k, v in (line.split() for line in httpx.get(url + "/metrics").text.splitlines())}
 
 
 def wait_idle(url):
@@ -328,6 +328,8 @@ def test_server_api_key_and_port_in_use(tiny):
             "model": "tiny", "prompt": prompt, "max_tokens": 20, "temperature": 0, "ignore_eos": True}).json()
         m = server_metrics(url)
         assert r["choices"][0]["text"] == want and m["nanoinfer_spec_decode_num_draft_tokens_total"] > 0
+        assert m["nanoinfer_spec_decode_acceptance_rate"] == pytest.approx(
+            m["nanoinfer_spec_decode_num_accepted_tokens_total"] / m["nanoinfer_spec_decode_num_draft_tokens_total"])
         assert httpx.get(url + "/health").status_code == 200
         second = subprocess.run([sys.executable, str(HERE / "serve.py"), "--model", str(tiny.path), "--device", "cpu",
                                  "--port", url.rsplit(":", 1)[1]], capture_output=True, text=True, timeout=60)
