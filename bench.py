@@ -103,6 +103,30 @@ def prefix_caching_lesson(path, device, repeats, **engine):
             f"{m[True, 'alone']:,.0f} against {m[False, 'alone']:,.0f} ({m[True, 'alone'] / m[False, 'alone']:.1%})")
 
 
+def speculation_lesson(points, repeats, **engine):
+    """Speculative decoding against plain decoding, one engine each, alternating, greedy: for each (label, model,
+    speculative_config, prompts, max_tokens, num_kv_tokens), output tok/s, the acceptance rate a (draft tokens kept / verified),
+    tokens a target step makes (a sequence's step makes 1 + the drafts it keeps), and what k drafts kept each with
+    probability a would make, (1 - a^(k+1)) / (1 - a)."""
+    out = []
+    for label, model, spec, prompts, max_tokens, kv_tokens in points:
+        llms = [LLM(model, speculative_config=spec, num_kv_tokens=kv_tokens, **engine),
+                LLM(model, num_kv_tokens=kv_tokens, **engine)]
+        runs = ([], [])
+        for _ in range(repeats):
+            for times, llm in zip(runs, llms):
+                times.append(time_generate(llm, prompts, max_tokens)[0])
+        s = llms[0].speculator
+        tokens = repeats * len(prompts) * (4 + max_tokens)  # each sequence's, time_generate's 4 to warm up included
+        a, k, made = s.accepted / max(s.proposed, 1), spec["num_speculative_tokens"], tokens / (tokens - s.accepted)
+        out.append(f"{label}: {np.median(runs[0]):,.0f} against {np.median(runs[1]):,.0f} tok/s "
+                   f"({np.median(runs[0]) / np.median(runs[1]):.2f}x), acceptance {a:.0%}, {made:.2f} tokens a "
+                   f"target step (k = {k} kept at {a:.0%}: {(1 - a ** (k + 1)) / (1 - a) if a < 1 else k + 1:.2f})")
+        del llms
+        gc.collect()
+    return "; ".join(out)
+
+
 def stage(what):
     print(f"bench: {what}", flush=True)
 
@@ -295,6 +319,13 @@ def bench_gpu(path, repeats):
     workloads = [("single stream", one, 256), ("offline", prompts, lens)]
     lessons["prefix caching (enable_prefix_caching), on against off"] = prefix_caching_lesson(
         path, "cuda", repeats, gpu_memory_utilization=0.2)
+    ngram, by_gpt2 = {"method": "ngram", "num_speculative_tokens": 4}, {"model": str(path), "num_speculative_tokens": 4}
+    copy = [rng.integers(0, 50000, 32).tolist() * 8]  # a prompt repeating itself: what n-gram drafts find
+    lessons["speculative decoding (speculative_config), greedy, against plain decoding"] = speculation_lesson([
+        ("n-gram, a prompt repeating itself, single stream", str(path), ngram, copy, 256, 4096),
+        ("n-gram, 256 of them", str(path), ngram, copy * 256, 128, 110_000),
+        ("gpt2 drafting itself, single stream", str(path), by_gpt2, one, 256, 4096),
+        ("gpt2 drafting gpt2-xl, single stream", "random:gpt2-xl", by_gpt2, one, 128, 4096)], repeats, device="cuda")
     lessons["sampling (T 0.8, top-k 50, top-p 0.95) against greedy, tok/s"] = a_against_b(
         lambda p, n: time_generate(llm, p, n, sampled)[0], lambda p, n: time_generate(llm, p, n)[0], workloads, 3)
     lessons["batch-invariant mode (one matmul tile and K split for every batch, every query in 64-key attention "
