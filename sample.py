@@ -6,6 +6,7 @@ each --num-samples times. The first streams live; each later one is printed as s
 Exit status: 0, or 1 when a prompt is refused or the model cannot load, 2 for a bad flag, 130 on Ctrl-C.
 """
 import argparse
+import json
 import os
 import sys
 import time
@@ -16,6 +17,14 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
         none = action.default is None or action.default is False or action.default == [] or \
             action.default == argparse.SUPPRESS
         return (action.help or "") + ("" if none or "default" in (action.help or "") else " (default: %(default)s)")
+
+
+def json_object(text):
+    """A flag's JSON value (argparse names the flag when this raises)."""
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON ({e})") from None
 
 
 def main():
@@ -41,6 +50,9 @@ def main():
                     help="auto: the GPU if CuPy sees one, else the CPU")
     ap.add_argument("--dtype", default=None, choices=["float16", "float32"], help="default: fp16 on GPU, fp32 on CPU")
     ap.add_argument("--quantization", choices=["int8"], help="weight-only int8 (W8A16; the CPU backend only, so far)")
+    ap.add_argument("--speculative-config", type=json_object, metavar="JSON", help='speculative decoding (no token '
+                    'changes): {"method": "ngram", "num_speculative_tokens": 3} or {"model": "distilgpt2", '
+                    '"num_speculative_tokens": 3}')
     args = ap.parse_args()
     prompts = args.prompt + [read_prompt(ap, f) for f in args.prompt_file] or [""]
     from nanoinfer import LLM, SamplingParams  # here: a Ctrl-C while numpy loads exits quietly too
@@ -53,7 +65,8 @@ def main():
         field, rest = str(e).removeprefix("SamplingParams.").split("=", 1)
         ap.error(f"{FLAGS.get(field, field)} {rest.split(': ', 1)[0]}: {rest.split(': ', 1)[-1]}")
     try:
-        llm = LLM(args.model, device=args.device, dtype=args.dtype, quantization=args.quantization)
+        llm = LLM(args.model, device=args.device, dtype=args.dtype, quantization=args.quantization,
+                  speculative_config=args.speculative_config)
     except Exception as e:  # a model directory's problem, the download, the GPU: the message says what to do
         sys.exit(f"error: {e}")
     return stream_to_terminal(llm, prompts, params)

@@ -34,6 +34,7 @@ from starlette.exceptions import HTTPException
 from engine_process import EngineProcess
 from nanoinfer import log
 from sampling_params import SamplingParams, refuse_request
+from sample import json_object
 
 # OpenAI's fields, and vLLM's extra sampling fields, as SamplingParams takes them
 SAMPLING_FIELDS = ("n", "max_tokens", "temperature", "top_p", "stop", "seed", "presence_penalty",
@@ -494,7 +495,7 @@ def main():
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="the fraction of the GPU's memory the "
                     "engine may fill, the KV cache taking what the weights leave; default: 0.9")
     ap.add_argument("--quantization", choices=["int8"], help="weight-only int8 (W8A16; the CPU backend only, so far)")
-    ap.add_argument("--speculative-config", type=json.loads, help='speculative decoding, as JSON: {"method": '
+    ap.add_argument("--speculative-config", type=json_object, help='speculative decoding, as JSON: {"method": '
                     '"ngram", "num_speculative_tokens": 3} (prompt_lookup_max, prompt_lookup_min too), or a draft '
                     'model: {"model": "gpt2", "num_speculative_tokens": 3}')
     ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
