@@ -313,9 +313,9 @@ def bench_gpu(path, repeats):
     rows.append(dict(workload="offline: 256 requests, 64..512 in and out", ours=offline, low=lo, high=hi,
                      anchor=256 * 1e3 / torch_graph_decode("gpt2", 256, 320), anchor_name="PyTorch graph B=256 ctx 320",
                      target=100000))
-    for clients in (64, 256):
-        lessons[f"server: {clients} streaming clients, prompt 64 -> 128"] = server_load(
-            path, offline, clients, gpu_memory_utilization=0.3)
+    for clients, servers in ((64, 1), (256, 1), (256, 2)):  # --api-server-count: HTTP processes on one engine
+        lessons[f"server: {clients} streaming clients, prompt 64 -> 128, {servers} HTTP process(es)"] = server_load(
+            path, offline, clients, gpu_memory_utilization=0.3, api_server_count=servers)
     workloads = [("single stream", one, 256), ("offline", prompts, lens)]
     lessons["prefix caching (enable_prefix_caching), on against off"] = prefix_caching_lesson(
         path, "cuda", repeats, gpu_memory_utilization=0.2)

@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import hmac
 import json
+import multiprocessing
 import re
 import signal
 import socket
@@ -31,7 +32,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from engine_process import EngineProcess
+from engine_process import EngineProcess, start_engine
 from nanoinfer import log
 from sampling_params import SamplingParams, refuse_request
 from sample import json_object
@@ -305,8 +306,8 @@ def make_app(engine, model_name, chat_template=None, api_key=None):
 
     @app.get("/metrics")
     async def metrics():
-        with engine.lock:  # the reader thread counts under it
-            finished, s = sorted(engine.finished.items()), engine.stats
+        s = engine.stats  # as of the engine's last step
+        finished = sorted(s["finished"].items())
         return PlainTextResponse(f"nanoinfer_kv_blocks_free {s['free']}\n"
                                  f"nanoinfer_kv_blocks_total {s['total']}\n"
                                  f"nanoinfer_requests_running {s['running']}\n"
@@ -498,9 +499,14 @@ def main():
     ap.add_argument("--speculative-config", type=json_object, help='speculative decoding, as JSON: {"method": '
                     '"ngram", "num_speculative_tokens": 3} (prompt_lookup_max, prompt_lookup_min too), or a draft '
                     'model: {"model": "gpt2", "num_speculative_tokens": 3}')
+    ap.add_argument("--api-server-count", type=int, default=1, help="HTTP server processes, each with its own "
+                    "event loop, on one socket and one engine (a server's JSON and events take a core at high load); "
+                    "default: 1")
     ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                     help="reuse the KV of prompts' shared first blocks across requests; default: on")
     args = ap.parse_args()
+    if args.api_server_count < 1:
+        ap.error(f"--api-server-count {args.api_server_count}: must be at least 1")
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:  # bound before the model loads: a port in use fails at once, with what to do
@@ -508,22 +514,47 @@ def main():
     except OSError as e:
         ap.exit(1, f"serve.py: cannot listen on {args.host}:{args.port} ({e.strerror}): pick another --port, or stop "
                    "what holds it\n")
+    engine_args = dict(model=args.model, device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+                       gpu_memory_utilization=args.gpu_memory_utilization,
+                       enable_prefix_caching=args.enable_prefix_caching, quantization=args.quantization,
+                       speculative_config=args.speculative_config)
+    process, conns = start_engine(engine_args, args.api_server_count)
     try:
-        engine = EngineProcess(model=args.model, device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-                               gpu_memory_utilization=args.gpu_memory_utilization,
-                               enable_prefix_caching=args.enable_prefix_caching, quantization=args.quantization,
-                               speculative_config=args.speculative_config)
+        engine = EngineProcess(conns[0], process)
     except RuntimeError as e:
         ap.exit(1, f"serve.py: the engine did not start: {e}\n")
-    name = args.served_model_name or args.model
+    # the other HTTP servers (--api-server-count): processes of their own, accepting on the same socket
+    others = [multiprocessing.get_context("spawn").Process(target=api_server, args=(conn, sock, args), name="api")
+              for conn in conns[1:]]
+    for p in others:
+        p.start()
     # SIGTERM: uvicorn stops accepting, lets requests in flight finish (30 s at most; then they are aborted), and raises
     # the signal again once down, for this handler to exit 0
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    server = uvicorn.Server(uvicorn.Config(make_app(engine, name, args.chat_template, args.api_key),
-                                           log_level="info", timeout_graceful_shutdown=30))
-    log(f"serving {name} on http://{args.host}:{args.port}/v1")
+    log(f"serving {args.served_model_name or args.model} on http://{args.host}:{args.port}/v1" +
+        (f" ({len(conns)} HTTP server processes)" if others else ""))
     try:
-        server.run(sockets=[sock])
+        serve_http(engine, sock, args)
+    finally:
+        for p in others:  # SIGTERM: each finishes its requests as this one did
+            p.terminate()
+        for p in others:
+            p.join(timeout=35)
+        engine.stop()  # the engine process ends once every server has stopped
+
+
+def serve_http(engine, sock, args):
+    """One HTTP server process: uvicorn on the socket, its routes over its pipe to the engine."""
+    app = make_app(engine, args.served_model_name or args.model, args.chat_template, args.api_key)
+    uvicorn.Server(uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=30)).run(sockets=[sock])
+
+
+def api_server(conn, sock, args):
+    """An HTTP server process past the first (spawned): its own event loop and GIL, the engine's other pipe."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    engine = EngineProcess(conn)
+    try:
+        serve_http(engine, sock, args)
     finally:
         engine.stop()
 

@@ -5,6 +5,7 @@ engine in this process: each completion's text is what LLM.generate gives for th
 every test the server's engine holds no request and every KV block is free (its /metrics).
 """
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -129,6 +130,45 @@ def test_server_32_streams_join_one_batch(server):
         t.join(timeout=120)
     assert got == want
     wait_idle(url)
+
+
+def test_server_with_two_http_processes(tiny):
+    """--api-server-count 2: two HTTP server processes accept on one socket and share one engine process: 24 clients
+    at once, on connections of their own, stream their solo texts; /metrics answers for the whole engine (every
+    finished sample, from either process); a client gone mid-stream is aborted; SIGTERM exits 0, leaving no child."""
+    import httpx
+    from openai import OpenAI
+    proc, url = start_server(tiny, "--api-server-count", "2")
+    try:
+        children = lambda: [int(c) for c in open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()]  # noqa
+        spawned = [k for k in children() if b"spawn_main" in open(f"/proc/{k}/cmdline", "rb").read()]
+        assert len(spawned) == 2  # the engine, the second HTTP server (and multiprocessing's resource tracker)
+        llm = LLM(str(tiny.path), device="cpu")
+        prompts = [f"Tale {i}:" for i in range(24)]
+        want = [o.outputs[0].text for o in llm.generate(prompts, greedy(12), use_tqdm=False)]
+        got = [None] * 24
+
+        def client(i):
+            stream = OpenAI(base_url=url + "/v1", api_key="none").completions.create(
+                model="tiny", prompt=prompts[i], max_tokens=12, temperature=0, stream=True,
+                extra_body={"ignore_eos": True})
+            got[i] = "".join(c.choices[0].text for c in stream)
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(24)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert got == want
+        with httpx.stream("POST", url + "/v1/completions", json={"model": "tiny", "prompt": "Gone", "max_tokens": 100,
+                                                                 "stream": True, "ignore_eos": True}) as r:
+            next(r.iter_lines())  # its first event, then the client goes
+        wait_idle(url)
+        assert all(server_metrics(url)['nanoinfer_samples_finished{reason="length"}'] >= 24 for _ in range(4))
+    finally:
+        kids = children()
+        proc.terminate()
+        assert proc.wait(timeout=60) == 0
+    assert not [k for k in kids if os.path.exists(f"/proc/{k}") and "zombie" not in open(f"/proc/{k}/status").read()]
 
 
 def test_server_client_gone_aborts(server):
