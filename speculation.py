@@ -94,7 +94,8 @@ class DraftModelProposer(Proposer):
         """Draft for every sequence given room: one forward over its tokens the draft model has not seen (its prompt,
         the first time) and one a draft token, each draft token sampled with the target's keyed race."""
         drafting = [s for s in dict.fromkeys(seqs) if s.draft]
-        self.computed = {i: c for i, c in self.computed.items() if i in self.kv.block_tables}  # forget those gone
+        tables = self.kv.block_tables  # forget the sequences gone
+        self.computed, self.fed = ({i: c for i, c in d.items() if i in tables} for d in (self.computed, self.fed))
         starts = [self._seen(s) for s in drafting]
         for j in range(max((len(s.draft) for s in drafting), default=0)):
             rows = [r for r, s in enumerate(drafting) if j < len(s.draft)]
