@@ -721,30 +721,26 @@ class GraphRunner:
                          for T in reversed(PREFILL_BUCKETS) if T <= n_ctx}
 
     def takes(self, batch, seqs):
-        """Whether this batch is one the graphs run: a decode token for each sequence, each sampling as they do."""
-        return len(batch.input_ids) == len(seqs) <= max(self.graphs) and \
-            not any(s.logprobs is not None or s.edits_logits for s in seqs)
-
-    def takes_prefill(self, batch, seqs):
-        """Whether this batch is one the prefill graphs run: one sequence's tokens, sampling at its last (a prompt's
-        last chunk), as the decode graphs sample."""
-        return len(batch.cu_seqlens_q) == 2 and len(seqs) == len(batch.logits_idx) == 1 and \
-            len(batch.input_ids) <= max(self.prefills, default=0) and not (seqs[0].logprobs is not None or
-                                                                           seqs[0].edits_logits)
-
-    def prefill(self, batch, sampling):
-        """(1, 1): the first token of the lone sequence in this batch, from the smallest prefill graph that holds it."""
-        self.in_flight = None
-        return self.prefills[min(T for T in self.prefills if T >= len(batch.input_ids))].run(batch, sampling)
+        """Whether the graphs run this batch: a decode token for each sequence, or one sequence's last prompt chunk
+        (sampling at its last token), none drafting, each sampling as the graphs do."""
+        if any(s.logprobs is not None or s.edits_logits or s.draft for s in seqs):
+            return False
+        lone_prefill = len(batch.cu_seqlens_q) == 2 and len(seqs) == len(batch.logits_idx) == 1 and \
+            len(batch.input_ids) <= max(self.prefills, default=0)
+        return len(batch.input_ids) == len(seqs) <= max(self.graphs) or lone_prefill
 
     def running_ahead(self):
         """Whether a run launched ahead computes running sequences (while it does, no request should come in: it
         would end the run unread)."""
         return self.in_flight is not None and any(not s.finish_reason for s in self.in_flight.seqs)
 
-    def run(self, seqs, sampling, launch_next):
-        """(num_steps, R) sampled tokens of these decode rows: from the run in flight if it computes them, else from one
-        launched now; before they are read, the next run is launched (if launch_next and it can go on alone)."""
+    def run(self, batch, seqs, sampling, launch_next):
+        """(num_steps, R) sampled tokens of a batch the graphs take. A lone prompt's: the smallest prefill graph that
+        holds it, one replay. Decode rows': from the run in flight if it computes them, else from one launched now;
+        before they are read, the next run is launched (if launch_next and it can go on alone)."""
+        if len(batch.input_ids) != len(seqs):
+            self.in_flight = None
+            return self.prefills[min(T for T in self.prefills if T >= len(batch.input_ids))].run(batch, sampling)
         run = self.in_flight
         if not (run and all(run.first_positions.get(s.seq_id) == len(s.token_ids) - 1 for s in seqs)):
             plan = plan_run(self.kv, seqs, 0, self.num_scheduler_steps, self.n_ctx)  # the scheduler reserved step 1

@@ -322,10 +322,8 @@ class ModelRunner:
         launch_next: a graph run may launch the next one before its tokens are read."""
         if self.graphs is None:
             return self.eager(batch, seqs)
-        if self.graphs.takes(batch, seqs) and not any(s.draft for s in seqs):
-            return self.graphs.run(seqs, sampling_arrays(seqs), launch_next), None
-        if self.graphs.takes_prefill(batch, seqs):  # a lone prompt: one replay, not ~100 launches before its token
-            return self.graphs.prefill(batch, sampling_arrays(seqs)), None
+        if self.graphs.takes(batch, seqs):  # decode steps, and a lone prompt's prefill (not ~100 launches)
+            return self.graphs.run(batch, seqs, sampling_arrays(seqs), launch_next), None
         with self.graphs.eager():  # on the graphs' stream, after everything they launched
             return self.eager(batch, seqs)
 
@@ -412,8 +410,9 @@ class DraftModel:
     the same vocabulary and at least the target's context, on the target's backend. Its K/V sit in the target's
     blocks, in tensors of its own; step() is its forward over sequence views (speculation.view) and the sampler."""
     def __init__(self, spec, llm):
-        path, self.config = resolve_model(spec["model"]), load_config(resolve_model(spec["model"]))
-        c, tokenizer = self.config, Tokenizer(path, self.config.vocab_size)
+        path = resolve_model(spec["model"])
+        self.config = c = load_config(path)
+        tokenizer = Tokenizer(path, c.vocab_size)
         llm.backend.check_model(c)
         if not tokenizer.same_vocabulary(llm.tokenizer) or c.n_ctx < llm.config.n_ctx:
             raise ValueError(f"speculative_config={spec!r}: a draft model needs the target's vocabulary (ids meaning "
