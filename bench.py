@@ -104,24 +104,20 @@ def prefix_caching_lesson(path, device, repeats, **engine):
 
 
 def speculation_lesson(points, repeats, **engine):
-    """Speculative decoding against plain decoding, one engine each, alternating, greedy: for each (label, model,
-    speculative_config, prompts, max_tokens, num_kv_tokens), output tok/s, the acceptance rate a (draft tokens kept / verified),
-    tokens a target step makes (a sequence's step makes 1 + the drafts it keeps), and what k drafts kept each with
-    probability a would make, (1 - a^(k+1)) / (1 - a)."""
+    """Speculative decoding against plain decoding (a_against_b), greedy, for each (label, model, speculative_config,
+    prompts, max_tokens, num_kv_tokens): tok/s, the acceptance rate a (draft tokens kept / verified), tokens a target
+    step makes (a sequence's step makes 1 + the drafts it keeps), and what k drafts kept each with probability a would
+    make, (1 - a^(k+1)) / (1 - a)."""
     out = []
     for label, model, spec, prompts, max_tokens, kv_tokens in points:
-        llms = [LLM(model, speculative_config=spec, num_kv_tokens=kv_tokens, **engine),
-                LLM(model, num_kv_tokens=kv_tokens, **engine)]
-        runs = ([], [])
-        for _ in range(repeats):
-            for times, llm in zip(runs, llms):
-                times.append(time_generate(llm, prompts, max_tokens)[0])
+        llms = [LLM(model, speculative_config=s, num_kv_tokens=kv_tokens, **engine) for s in (spec, None)]
+        timing = a_against_b(*(lambda p, n, llm=llm: time_generate(llm, p, n)[0] for llm in llms),
+                             [(label, prompts, max_tokens)], repeats)
         s = llms[0].speculator
         tokens = repeats * len(prompts) * (4 + max_tokens)  # each sequence's, time_generate's 4 to warm up included
         a, k, made = s.accepted / max(s.proposed, 1), spec["num_speculative_tokens"], tokens / (tokens - s.accepted)
-        out.append(f"{label}: {np.median(runs[0]):,.0f} against {np.median(runs[1]):,.0f} tok/s "
-                   f"({np.median(runs[0]) / np.median(runs[1]):.2f}x), acceptance {a:.0%}, {made:.2f} tokens a "
-                   f"target step (k = {k} kept at {a:.0%}: {(1 - a ** (k + 1)) / (1 - a) if a < 1 else k + 1:.2f})")
+        out.append(f"{timing} tok/s, acceptance {a:.0%}, {made:.2f} tokens a target step (k = {k} kept at {a:.0%}: "
+                   f"{(1 - a ** (k + 1)) / (1 - a) if a < 1 else k + 1:.2f})")
         del llms
         gc.collect()
     return "; ".join(out)

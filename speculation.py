@@ -94,10 +94,12 @@ class DraftModelProposer(Proposer):
         """Draft for every sequence given room: one forward over its tokens the draft model has not seen (its prompt,
         the first time) and one a draft token, each draft token sampled with the target's keyed race."""
         drafting = [s for s in dict.fromkeys(seqs) if s.draft]
+        if not drafting:  # most steps of most workloads
+            return
         tables = self.kv.block_tables  # forget the sequences gone
         self.computed, self.fed = ({i: c for i, c in d.items() if i in tables} for d in (self.computed, self.fed))
         starts = [self._seen(s) for s in drafting]
-        for j in range(max((len(s.draft) for s in drafting), default=0)):
+        for j in range(max(len(s.draft) for s in drafting)):
             rows = [r for r, s in enumerate(drafting) if j < len(s.draft)]
             views = [view(drafting[r], starts[r] if j == 0 else len(drafting[r].token_ids) + j - 1, j) for r in rows]
             for r, token in zip(rows, self.draft_step(views)):
