@@ -302,13 +302,13 @@ def make_batch(scheduled, kv):
 
 class ModelRunner:
     """Runs a step's batch: the model's forward over it, then the sampler on the rows that sample. On CUDA, decode
-    batches replay CUDA graphs instead (cuda_backend.GraphRunner), each recording decode_step, which mirrors eager():
+    batches replay CUDA graphs instead (graph_runner.GraphRunner), each recording decode_step, which mirrors eager():
     the graphs are captured here, at start-up, one per batch size, and each graph run is launched while the host still
     reads the run before it, so the tokens of a decode step may come from a run launched a step earlier."""
     def __init__(self, model, kv, cuda_graphs=True, num_scheduler_steps=16, max_num_seqs=256):
         self.model, self.kv, self.graphs, self.admission_group = model, kv, None, 1
         if cuda_graphs and model.backend.name == "cuda":
-            from cuda_backend import GraphRunner
+            from graph_runner import GraphRunner
             t0 = time.perf_counter()
             self.graphs = GraphRunner(self.decode_step, model.backend, kv, model.config.n_ctx, max_num_seqs,
                                       num_scheduler_steps)

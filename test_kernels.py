@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import cuda_backend
+import graph_runner
 import nanoinfer as ni
 from conftest import HERE, NO_GPU, _run_py, greedy, heads, make_batch, penalty_case, random_ids, rounded
 from cuda_backend import CudaBackend
@@ -269,12 +270,12 @@ def test_fp16_weights_stay_fp16(tiny):
 
 def graph_launches(monkeypatch):
     """[(bucket, steps)] of every graph run launched from here on."""
-    launches, launch = [], cuda_backend.DecodeGraph.launch
+    launches, launch = [], graph_runner.DecodeGraph.launch
 
     def recorded(graph, seqs, sampling, plan):
         launches.append((graph.B, plan.num_steps))
         return launch(graph, seqs, sampling, plan)
-    monkeypatch.setattr(cuda_backend.DecodeGraph, "launch", recorded)
+    monkeypatch.setattr(graph_runner.DecodeGraph, "launch", recorded)
     return launches
 
 
@@ -297,8 +298,8 @@ def test_a_lone_prefill_replays_its_graph(tiny, monkeypatch):
     (a bucket's edges: 64, 65). fp32, as test_cuda_graphs_change_no_token: the padded rows and the graph's attention
     plan change only roundings, which cannot flip a choice there."""
     runs = []
-    run = cuda_backend.PrefillGraph.run
-    monkeypatch.setattr(cuda_backend.PrefillGraph, "run", lambda g, *a: runs.append(g.T) or run(g, *a))
+    run = graph_runner.PrefillGraph.run
+    monkeypatch.setattr(graph_runner.PrefillGraph, "run", lambda g, *a: runs.append(g.T) or run(g, *a))
     graphed, eager = (LLM(str(tiny.path), device="cuda", dtype="float32", num_kv_tokens=4096, cuda_graphs=on)
                       for on in (True, False))
     prompts = [random_ids(n, n) for n in (2, 40, 64, 65, 100, 127)] + [random_ids(64, 64) + random_ids(30, 1)]
@@ -333,7 +334,7 @@ def test_dependent_launches_change_no_token(which, request, monkeypatch):
 
 
 GRAPH_ON_A_BUSY_GPU = """
-import numpy as np, cupy as cp, cuda_backend
+import numpy as np, cupy as cp, graph_runner
 from nanoinfer import LLM, SamplingParams
 make = lambda: LLM({path!r}, device="cuda", dtype="float32", num_kv_tokens=4096, max_num_seqs=8)
 prompts = [[464, 2068, 7586], [15496, 11], [40, 716, 257, 3303]]
@@ -344,12 +345,12 @@ junk = cp.full(1 << 28, 0x7F7F7F7F, np.int32)  # 1 GiB of large numbers, handed 
 cp.cuda.Device().synchronize()
 del junk
 cp.get_default_memory_pool().free_all_blocks()
-capture = cuda_backend.DecodeGraph.__init__
+capture = graph_runner.DecodeGraph.__init__
 def on_a_busy_gpu(*args):
     for _ in range(200):  # the default stream busy for tens of ms while the graph is made
         busy.fill(1)
     capture(*args)
-cuda_backend.DecodeGraph.__init__ = on_a_busy_gpu
+graph_runner.DecodeGraph.__init__ = on_a_busy_gpu
 llm = make()
 assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)] == want
 print("same tokens")
@@ -377,13 +378,13 @@ def test_multi_step_decoding_changes_no_token(tiny, monkeypatch):
     freed, while the others go on; every block is free at the end; fp32."""
     def run(stop=None, **kw):
         llm = LLM(str(tiny.path), device="cuda", dtype="float32", num_kv_tokens=4096, **kw)
-        runs, plan = [], cuda_backend.plan_run  # (steps ahead of the host's tokens, steps in the run)
+        runs, plan = [], graph_runner.plan_run  # (steps ahead of the host's tokens, steps in the run)
 
         def recorded_plan(kv, seqs, ahead, max_steps, n_ctx):
             p = plan(kv, seqs, ahead, max_steps, n_ctx)
             runs.append((ahead, p.num_steps if p else 0))
             return p
-        monkeypatch.setattr(cuda_backend, "plan_run", recorded_plan)
+        monkeypatch.setattr(graph_runner, "plan_run", recorded_plan)
         params = [SamplingParams(max_tokens=m, temperature=t, top_p=0.9, seed=i, ignore_eos=True,
                                  stop=stop if i == 0 else None)
                   for i, (m, t) in enumerate([(60, 0), (90, 1.0), (85, 0.8), (99, 0)])]
@@ -396,7 +397,7 @@ def test_multi_step_decoding_changes_no_token(tiny, monkeypatch):
     stop = text[len(text) // 2:len(text) // 2 + 2]  # ends request 0 partway, inside a run of steps
     eager, _ = run(stop, cuda_graphs=False)
     graphed, runs = run(stop)
-    assert max(n for _, n in runs) == cuda_backend.MAX_STEPS_PER_RUN, runs
+    assert max(n for _, n in runs) == graph_runner.MAX_STEPS_PER_RUN, runs
     assert any(ahead and n for ahead, n in runs), f"no run was launched ahead of the host: {runs}"
     assert graphed == eager
     assert eager[0][2] == "stop"
@@ -441,7 +442,7 @@ def test_a_full_engine_admits_by_groups(tiny):
     eager, one_by_one = run(cuda_graphs=False)
     graphed, by_groups = run(cuda_graphs=True)
     assert any(n == 1 for w, n in one_by_one if w > 1), one_by_one
-    assert all(n >= min(w, 32 // cuda_backend.ADMIT_GROUP) for w, n in by_groups), by_groups
+    assert all(n >= min(w, 32 // graph_runner.ADMIT_GROUP) for w, n in by_groups), by_groups
     assert graphed == eager
 
 

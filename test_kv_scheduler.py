@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st, target
 
-import cuda_backend
+import graph_runner
 import nanoinfer as ni
 from conftest import EXACT_DEVICES, SAMPLED, check_kv, greedy, make_llm, random_ids, solo, solo_prompt_logprobs
 from nanoinfer import SamplingParams
@@ -85,7 +85,7 @@ def test_paged_kv_tables_and_slots():
 
 
 def test_graph_run_plan_reserves_its_blocks_or_is_none():
-    """cuda_backend.plan_run (plain Python, no GPU): a run of decode steps takes the most steps (halving from the cap,
+    """graph_runner.plan_run (plain Python, no GPU): a run of decode steps takes the most steps (halving from the cap,
     and no more than any sequence may still take) whose blocks the free list holds, reserves them, and maps each
     row's first token to its slot; a sequence with fewer steps left is padding after them. When not even one more
     step fits there is no run, and no block is taken (the planner once mapped a slot past the block table)."""
@@ -94,18 +94,18 @@ def test_graph_run_plan_reserves_its_blocks_or_is_none():
     for s in seqs:  # each has sampled one token, whose block the scheduler reserved (position 3)
         s.token_ids.append(7)
         kv.grow(s.seq_id, 4)
-    plan = cuda_backend.plan_run(kv, seqs, 0, 16, n_ctx=128)  # 2 free: 15 steps need 28 more blocks, 3 need 4
+    plan = graph_runner.plan_run(kv, seqs, 0, 16, n_ctx=128)  # 2 free: 15 steps need 28 more blocks, 3 need 4
     assert plan.num_steps == 1 and plan.remaining.tolist() == [15, 15, 1] and kv.allocator.num_free() == 2
     check_kv(kv)
     seqs[2].finish_reason = "length"  # done (its one step taken): a padding row from now on
     kv.free(2)
-    plan = cuda_backend.plan_run(kv, seqs, 0, 16, n_ctx=128)  # 6 free: 3 steps need 2 blocks each
+    plan = graph_runner.plan_run(kv, seqs, 0, 16, n_ctx=128)  # 6 free: 3 steps need 2 blocks each
     tables = [kv.block_tables[s] for s in (0, 1)]
     assert plan.num_steps == 3 and [len(t) for t in tables] == [6, 6] and kv.allocator.num_free() == 2
     assert plan.positions.tolist()[:2] == [3, 3] and plan.slot_mapping.tolist()[:2] == [tables[0][3], tables[1][3]]
     assert plan.slot_mapping[2] == -1 and plan.remaining[2] == 0 and 2 not in kv.block_tables
-    assert cuda_backend.plan_run(kv, seqs[:2], 3, 16, n_ctx=128).num_steps == 1  # 3 steps ahead: one more block each
-    assert cuda_backend.plan_run(kv, seqs[:2], 4, 16, n_ctx=128) is None  # 4 ahead: no free block left
+    assert graph_runner.plan_run(kv, seqs[:2], 3, 16, n_ctx=128).num_steps == 1  # 3 steps ahead: one more block each
+    assert graph_runner.plan_run(kv, seqs[:2], 4, 16, n_ctx=128) is None  # 4 ahead: no free block left
     assert [len(kv.block_tables[s]) for s in (0, 1)] == [7, 7] and kv.allocator.num_free() == 0
     check_kv(kv)
 

@@ -17,7 +17,7 @@ import traceback
 import numpy as np
 import pytest
 
-import cuda_backend
+import graph_runner
 import nanoinfer as ni
 from conftest import (CPU, EOT, EXACT_DEVICES, HERE, NO_GPU, assert_idle, finish_by_steps, greedy, make_llm,
                       random_ids, solo, tokens, write_checkpoint)
@@ -124,9 +124,9 @@ FAULT_POINTS = {  # a step's calls, in order; the last four exist only in CUDA-g
     "sample": lambda llm: (type(llm.backend), "sample"), "postprocess": lambda llm: (LLM, "_postprocess"),
     "append": lambda llm: (Sequence, "append"), "token_bytes": lambda llm: (type(llm.tokenizer), "token_bytes"),
     "finish": lambda llm: (type(llm.scheduler), "remove"),
-    "plan_run": lambda llm: (cuda_backend, "plan_run"), "launch": lambda llm: (cuda_backend.DecodeGraph, "launch"),
-    "carry_on": lambda llm: (cuda_backend.DecodeGraph, "carry_on"),
-    "tokens": lambda llm: (cuda_backend.GraphRun, "tokens"),
+    "plan_run": lambda llm: (graph_runner, "plan_run"), "launch": lambda llm: (graph_runner.DecodeGraph, "launch"),
+    "carry_on": lambda llm: (graph_runner.DecodeGraph, "carry_on"),
+    "tokens": lambda llm: (graph_runner.GraphRun, "tokens"),
 }
 FAULT_PROMPTS = [random_ids(20, 1), random_ids(5, 2) * 3, random_ids(8, 1) + random_ids(9, 3)]  # the third opens
 # as the first: two blocks from the prefix cache; the second repeats itself, for speculation's n-gram drafts

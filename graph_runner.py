@@ -1,0 +1,324 @@
+"""CUDA graphs: the engine's decode steps replayed many per run, and a lone prompt's prefill replayed from one graph. A
+first reading can skip it, as it can cuda_backend.py: nanoinfer.ModelRunner hands in `decode_step`, the eager step on
+device arrays, and a graph records exactly that. Only nanoinfer.py imports it (for device="cuda"); it uses the op set
+(cuda_backend.py), and the KV cache and the sequences through their public methods.
+
+- plan_run: a run of decode steps, its KV blocks reserved up front (the GPU moves each row on by itself).
+- DecodeGraph: one decode step of up to B rows as one CUDA graph, replayed num_steps times a run.
+- PrefillGraph: one sequence's prefill of up to T tokens as one CUDA graph.
+- GraphRunner: which batches the graphs take, and the run launched one step ahead of the host.
+"""
+import contextlib
+import types
+from dataclasses import dataclass
+
+import numpy as np
+
+from cuda_backend import device_batch, device_batch_of, pack_batch
+
+cp = None  # cupy, imported when a GraphRunner is made (plan_run is plain Python, tested without a GPU)
+
+GRAPH_BUCKETS = (1, 2, 4, 8) + tuple(range(16, 257, 16))  # decode batch sizes with a graph each: pads <= 15 rows
+MAX_STEPS_PER_RUN = 16  # decode steps one graph run may take (multi-step decoding), the size of the token ring
+ADMIT_GROUP = 8  # a full engine lets waiting requests in once 1/8 of its seats are free
+PREFILL_BUCKETS = (64, 128, 256, 512, 1024)  # a lone prompt's token counts with a graph each (up to the context)
+
+
+def steps_left(seqs, ahead, n_ctx):
+    """(S,) the decode steps each sequence may still take, `ahead` steps past the host's tokens (0: done)."""
+    return np.array([0 if s.finish_reason else min(s.params.max_tokens - s.num_output, n_ctx - len(s.token_ids))
+                     - ahead for s in seqs]).clip(0)
+
+
+@dataclass
+class RunPlan:
+    """A graph run of `num_steps` decode steps, and each row's inputs to its first step."""
+    num_steps: int
+    token_index: np.ndarray  # the sampler's counter: the index in its output of the token the row samples
+    remaining: np.ndarray  # the steps it may take (after the last it is padding)
+    positions: np.ndarray  # the position it computes
+    slot_mapping: np.ndarray  # that token's cache slot (-1: padding)
+    block_tables: np.ndarray
+
+
+def plan_run(kv, seqs, ahead, max_steps, n_ctx):
+    """Decode steps from `ahead` past the host's tokens, their KV blocks reserved here: max_steps at most, no more than
+    the longest sequence may still take, halved until the free blocks cover them (None: not one step; the scheduler
+    then preempts). A sequence that stops early (EOS, a stop string) wastes the steps after; it never emits them."""
+    left = steps_left(seqs, ahead, n_ctx)
+    first = [len(s.token_ids) - 1 + ahead for s in seqs]  # the position each one's first step computes
+    steps = int(min(max_steps, left.max(initial=0)))
+    while steps > 0 and not kv.can_fit_all([(s.seq_id, p + min(steps, n)) for s, p, n in zip(seqs, first, left) if n]):
+        steps //= 2
+    if steps == 0:
+        return None
+    for s, p, n in zip(seqs, first, left):
+        if n:
+            kv.grow(s.seq_id, p + min(steps, n))
+    positions = np.where(left > 0, first, 0)
+    tables = kv.block_table_array([s.seq_id for s in seqs])  # (S, max_blocks)
+    slots = np.where(left > 0, kv.slot_mapping(tables, np.arange(len(seqs)), positions), -1)
+    return RunPlan(steps, np.array([s.num_output + ahead for s in seqs]), left, positions, slots, tables)
+
+
+@dataclass
+class GraphRun:
+    """Launched decode steps: their graph, its rows' sequences and sampling parameters, and `done`, an event recorded
+    after the last step."""
+    graph: "DecodeGraph"
+    seqs: list
+    sampling: tuple  # the rows' SamplingArrays (host)
+    num_steps: int
+    first_positions: dict  # seq_id -> the position its first step computes
+    first_ring_row: int
+    done: object
+
+    def tokens(self):
+        """(num_steps, rows) token ids, once the run is done."""
+        self.done.synchronize()
+        ring = self.graph.token_ring.get()
+        return ring[(self.first_ring_row + np.arange(self.num_steps)) % len(ring), :len(self.seqs)].astype(np.int64)
+
+
+class DecodeGraph:
+    """A decode step of up to B sequences replayed from one CUDA graph: ~65 kernels, one launch. A graph freezes the
+    pointers and scalars it was captured with, so the inputs live in one fixed buffer (one host-to-device copy),
+    attention is planned for the longest context (kernels stop at each row's length), unused rows are padding (cache
+    slot -1), and activations come from a pool only the graphs use (one stream: never two at once). The step ends by
+    making its sampled tokens the next step's inputs on the GPU (decode_advance), keeping each step's tokens in a ring,
+    so it can replay many times in a row: the host's work and its wait are paid once per run."""
+    SAMPLING = ("temperature", "top_k", "top_p", "seed", "token_index", "min_p")  # SamplingArrays' fields
+    # the step's inputs, in one int32 buffer; from `token_index` on, rewritten by carry_on for a run that goes on
+    FIELDS = ("seed", "temperature", "top_p", "top_k", "min_p", "input_ids", "ring_row",
+              "token_index", "remaining", "positions", "context_lens", "slot_mapping", "block_tables")
+    PADDING = dict(seed=0, temperature=0, top_p=1, top_k=0, min_p=0, input_ids=0,  # a padding row: greedy, unwritten
+                   token_index=0, remaining=0, positions=0, slot_mapping=-1)
+    TYPES = dict(seed=np.uint64, temperature=np.float32, top_p=np.float32, min_p=np.float32)  # the others: int32
+
+    def __init__(self, decode_step, backend, kv, n_ctx, B, stream, pool):
+        self.B, self.stream, max_blocks = B, stream, kv.blocks_needed(n_ctx)
+        sizes = dict.fromkeys(self.FIELDS, B) | dict(seed=2 * B, ring_row=1, block_tables=B * max_blocks)
+        self.host_buffer = np.zeros(sum(sizes.values()), np.int32)
+        starts = dict(zip(self.FIELDS, np.cumsum([0] + [sizes[f] for f in self.FIELDS])))
+        self.carry_from = starts["token_index"]
+        cp.cuda.Device().synchronize()  # the weights and the cache were made on the default stream, which ours skips
+        with stream:
+            self.dev_buffer = cp.zeros_like(self.host_buffer)
+            self.host = {f: self.host_buffer[starts[f]:starts[f] + sizes[f]] for f in self.FIELDS}
+            self.dev = {f: self.dev_buffer[starts[f]:starts[f] + sizes[f]] for f in self.FIELDS}
+            self.token_ring = cp.zeros((2 * MAX_STEPS_PER_RUN, B), np.int32)  # one run's tokens while the next runs
+            self.ring_row = 0  # the ring row the next step writes (the GPU keeps its own count in `ring_row`)
+            rows, d = cp.arange(B + 1, dtype=np.int32), self.dev
+            # CudaBackend.to_device's fields, for B decode rows: attention_decode's rows, or one-query tiles (tile_min_q)
+            attention = dict(row_q=rows[:B], row_seq=rows[:B], row_len=d["context_lens"], tile_seq=rows[:0],
+                             tile_q0=rows[:0]) if backend.tile_min_q != 1 else dict(
+                row_q=rows[:0], row_seq=rows[:0], row_len=rows[:0], tile_seq=rows[:B], tile_q0=cp.zeros_like(rows[:B]))
+            self.batch = batch = device_batch(
+                input_ids=d["input_ids"], positions=d["positions"], slot_mapping=d["slot_mapping"],
+                context_lens=d["context_lens"], block_tables=d["block_tables"].reshape(B, max_blocks),
+                cu_seqlens_q=rows, logits_idx=None, max_row_len=n_ctx, **attention)
+            sampling = {f: d[f].view(self.TYPES.get(f, np.int32)) for f in self.SAMPLING}
+            self.start(np.zeros(0, np.int32), {f: [] for f in self.SAMPLING}, RunPlan(0, *([],) * 4, np.zeros((0, 1))))
+
+            def step():  # what each replay runs: the engine's decode step, then the next step's inputs on the GPU
+                tokens = decode_step(batch, sampling)
+                backend.launch("decode_advance", (1,), (B,), (
+                    tokens, d["input_ids"], d["positions"], d["context_lens"], d["slot_mapping"], d["token_index"],
+                    d["remaining"], d["block_tables"], np.int32(max_blocks), np.int32(kv.block_size), self.token_ring,
+                    np.int32(len(self.token_ring)), d["ring_row"], np.int32(B)))
+            # the step's activations, and only they, come from the pool the graphs share: what one graph leaves free
+            # there, the next one captured may take (a buffer kept from one step to the next, above, must not)
+            with cp.cuda.using_allocator(pool.malloc):
+                step()  # warm-up: the first launches and allocations stay out of the capture
+                stream.synchronize()
+                self.graph = backend.capture(stream, step)
+        self.graph.upload(stream)
+
+    def start(self, input_ids, sampling, plan):
+        """Load n <= B sequences: last tokens, sampling parameters (by SamplingArrays' field names), plan rows; the rest
+        are padding (greedy, unwritten)."""
+        self.n = len(input_ids)
+        for name in ("temperature", "top_k", "top_p", "min_p", "seed"):
+            self._write(name, sampling[name])
+        self._write("input_ids", input_ids)
+        self.host["ring_row"][0] = self.ring_row = 0
+        self._write_rows(plan)
+        self.dev_buffer.set(self.host_buffer, stream=self.stream)
+
+    def carry_on(self, plan):
+        """Let the next run go on where the launched ones stop: the GPU has input tokens; the host writes the rest."""
+        self._write_rows(plan)
+        self.dev_buffer[self.carry_from:].set(self.host_buffer[self.carry_from:], stream=self.stream)
+
+    def _write(self, name, values):  # the first n rows of a field, and padding after them
+        field = self.host[name].view(self.TYPES.get(name, np.int32))
+        field[:self.n], field[self.n:] = values, self.PADDING[name]
+
+    def _write_rows(self, plan):
+        for name in ("token_index", "remaining", "positions", "slot_mapping"):
+            self._write(name, getattr(plan, name))
+        self.host["context_lens"][:] = self.host["positions"] + 1  # position p sees p + 1 keys; padding sees 1
+        tables = self.host["block_tables"].reshape(self.B, -1)
+        tables[:] = 0
+        tables[:self.n, :plan.block_tables.shape[1]] = plan.block_tables
+
+    def launch(self, seqs, sampling, plan):
+        """Replay the step plan.num_steps times for these sequences (its rows)."""
+        first = self.ring_row
+        self.ring_row += plan.num_steps
+        for _ in range(plan.num_steps):
+            self.graph.launch(self.stream)
+        done = cp.cuda.Event()
+        done.record(self.stream)
+        starts = {s.seq_id: int(p) for s, p, n in zip(seqs, plan.positions, plan.remaining) if n}
+        return GraphRun(self, seqs, sampling, plan.num_steps, starts, first, done)
+
+
+class PrefillGraph:
+    """One sequence's prefill of up to T tokens and the sampling of its first token, replayed from one CUDA graph.
+    Eager, a prefill launches ~100 kernels one by one from Python, which for prompts of GPT-2's sizes costs more than
+    the GPU's work: a lone request's time to first token (what a prefix-cache hit shortens) is the host's. The tokens
+    are padded to T: a pad computes at the last real position, writes no cache slot (-1), and is sampled by no one;
+    the sequence is declared T queries long, so each real query keeps its position and sees only real keys."""
+    def __init__(self, prefill_step, backend, kv, n_ctx, T, stream, pool):
+        self.T, self.stream, self.min_q = T, stream, backend.tile_min_q
+        self.width = kv.blocks_needed(n_ctx + T)  # the pads' queries may look past the context: entries 0
+        host, self.layout, _ = pack_batch(self.padded(types.SimpleNamespace(
+            input_ids=[0], positions=[0], slot_mapping=[-1], context_lens=[1], block_tables=np.zeros((1, 1)))), self.min_q)
+        with stream:
+            self.dev_buffer = cp.asarray(host)
+            batch = device_batch_of(self.dev_buffer, self.layout, n_ctx + T)
+            self.sampling = {f: cp.zeros(1, DecodeGraph.TYPES.get(f, np.int32)) for f in DecodeGraph.SAMPLING}
+            self.token = cp.zeros(1, np.int32)  # where every replay leaves the sampled token (not in the pool)
+
+            def step():
+                self.token[...] = prefill_step(batch, self.sampling)
+            with cp.cuda.using_allocator(pool.malloc):
+                step()  # warm-up, out of the capture
+                stream.synchronize()
+                self.graph = backend.capture(stream, step)
+        self.graph.upload(stream)
+
+    def padded(self, batch):
+        """The host fields of this one-sequence batch, its tokens padded to T."""
+        n, pad = len(batch.input_ids), self.T - len(batch.input_ids)
+        tables = np.zeros((1, self.width), np.int32)
+        tables[0, :batch.block_tables.shape[1]] = batch.block_tables[0]
+        return types.SimpleNamespace(
+            input_ids=np.pad(batch.input_ids, (0, pad)), positions=np.pad(batch.positions, (0, pad), mode="edge"),
+            slot_mapping=np.pad(batch.slot_mapping, (0, pad), constant_values=-1), cu_seqlens_q=[0, self.T],
+            context_lens=[batch.context_lens[0] + pad], block_tables=tables, logits_idx=[n - 1])
+
+    def run(self, batch, sampling):
+        """The sequence's first token, (1, 1): its inputs copied in (one copy, and one per sampling field), a replay."""
+        host, _, _ = pack_batch(self.padded(batch), self.min_q)
+        self.dev_buffer.set(host, stream=self.stream)
+        for f, a in self.sampling.items():
+            a.set(np.asarray(getattr(sampling, f)[:1], a.dtype), stream=self.stream)
+        self.graph.launch(self.stream)
+        return self.token.get(stream=self.stream)[None].astype(np.int64)
+
+
+class GraphRunner:
+    """Decode batches (each sequence computes its last token and samples, none wants logprobs or edits its logits)
+    replayed from CUDA graphs, in runs of up to MAX_STEPS_PER_RUN steps. `decode_step(batch, sampling)` is what a
+    graph records: the engine's forward and sampler on device arrays (nanoinfer.ModelRunner.decode_step). Every
+    graph is captured here, at start-up; and before the host reads a run's tokens, the next run is launched, going
+    on where that one stops, so the GPU computes while the host turns tokens into text. A lone prompt's prefill replays
+    a graph too (PrefillGraph). One stream: the engine's eager steps run on it too (eager()), so a run ends before
+    later work reuses its blocks."""
+    def __init__(self, decode_step, backend, kv, n_ctx, max_num_seqs, num_scheduler_steps=MAX_STEPS_PER_RUN):
+        global cp
+        import cupy as cp
+        self.backend, self.kv, self.n_ctx = backend, kv, n_ctx
+        self.num_scheduler_steps = min(num_scheduler_steps, MAX_STEPS_PER_RUN)
+        # an admission is an eager step (kernels launched one by one) that ends the runs of graph steps, so a full
+        # engine lets waiting requests in by groups (TGI's waiting_served_ratio is the same trade)
+        self.admission_group = max(1, max_num_seqs // ADMIT_GROUP)
+        self.stream = cp.cuda.Stream(non_blocking=True)
+        self.in_flight = None  # a run launched and not yet read
+        # a graph per bucket up to max_num_seqs, as serving engines do, so that no request waits for one; the largest
+        # first, whose activations the smaller ones then reuse (one stream: one shared pool)
+        pool = cp.cuda.MemoryPool()
+        self.buckets = [b for b in GRAPH_BUCKETS if b < max_num_seqs] + [b for b in GRAPH_BUCKETS if b >= max_num_seqs][:1]
+        self.graphs = {B: DecodeGraph(decode_step, backend, kv, n_ctx, B, self.stream, pool)
+                       for B in reversed(self.buckets)}
+        self.prefills = {T: PrefillGraph(decode_step, backend, kv, n_ctx, T, self.stream, pool)
+                         for T in reversed(PREFILL_BUCKETS) if T <= n_ctx}
+
+    def takes(self, batch, seqs):
+        """Whether the graphs run this batch: a decode token for each sequence, or one sequence's last prompt chunk
+        (sampling at its last token), none drafting, each sampling as the graphs do."""
+        if any(s.logprobs is not None or s.edits_logits or s.draft for s in seqs):
+            return False
+        lone_prefill = len(batch.cu_seqlens_q) == 2 and len(seqs) == len(batch.logits_idx) == 1 and \
+            len(batch.input_ids) <= max(self.prefills, default=0)
+        return len(batch.input_ids) == len(seqs) <= max(self.graphs) or lone_prefill
+
+    def running_ahead(self):
+        """Whether a run launched ahead computes running sequences (while it does, no request should come in: it
+        would end the run unread)."""
+        return self.in_flight is not None and any(not s.finish_reason for s in self.in_flight.seqs)
+
+    def run(self, batch, seqs, sampling, launch_next):
+        """(num_steps, R) sampled tokens of a batch the graphs take. A lone prompt's: the smallest prefill graph that
+        holds it, one replay. Decode rows': from the run in flight if it computes them, else from one launched now;
+        before they are read, the next run is launched (if launch_next and it can go on alone)."""
+        if len(batch.input_ids) != len(seqs):
+            self.in_flight = None
+            return self.prefills[min(T for T in self.prefills if T >= len(batch.input_ids))].run(batch, sampling)
+        run = self.in_flight
+        if not (run and all(run.first_positions.get(s.seq_id) == len(s.token_ids) - 1 for s in seqs)):
+            plan = plan_run(self.kv, seqs, 0, self.num_scheduler_steps, self.n_ctx)  # the scheduler reserved step 1
+            graph = self._graph_for(len(seqs))
+            graph.start(np.array([s.token_ids[-1] for s in seqs], np.int32), sampling._asdict(), plan)
+            run = graph.launch(seqs, sampling, plan)
+        self.in_flight = self._next_run(run, seqs) if launch_next else None
+        row_of = {s.seq_id: row for row, s in enumerate(run.seqs)}
+        return run.tokens()[:, [row_of[s.seq_id] for s in seqs]]
+
+    def _graph_for(self, rows):
+        return self.graphs[next(b for b in GRAPH_BUCKETS if b >= rows)]
+
+    def _next_run(self, run, seqs):
+        """The run after `run`, launched now, if it can go on without the scheduler (else None): multi-step is on, this
+        step reads every unfinished row of `run`, and some row has steps left. The rows that go on keep their graph
+        (the rest pad) or move to a smaller one that fits, their input tokens gathered on the GPU."""
+        unfinished = sum(not s.finish_reason for s in run.seqs)
+        if self.num_scheduler_steps == 1 or len(seqs) != unfinished:
+            return None
+        live = np.flatnonzero(steps_left(run.seqs, run.num_steps, self.n_ctx))
+        if not len(live):
+            return None
+        graph = self._graph_for(len(live))
+        if graph is not run.graph:
+            seqs, sampling = [run.seqs[i] for i in live], type(run.sampling)(*(a[live] for a in run.sampling))
+        else:
+            seqs, sampling = run.seqs, run.sampling
+        plan = plan_run(self.kv, seqs, run.num_steps, self.num_scheduler_steps, self.n_ctx)
+        if plan is None:
+            return None
+        if graph is run.graph:
+            graph.carry_on(plan)
+        else:
+            graph.start(np.zeros(len(seqs), np.int32), sampling._asdict(), plan)
+            with self.stream:  # row i's input token is the run's row live[i], gathered on the GPU: no wait for it
+                graph.dev["input_ids"][:len(live)] = run.graph.dev["input_ids"][cp.asarray(live)]
+        return graph.launch(seqs, sampling, plan)
+
+    @contextlib.contextmanager
+    def eager(self):
+        """For a step the graphs do not take: on their stream, after what they launched; a run launched ahead that
+        the step does not read is dropped (stream order keeps it safe)."""
+        self.in_flight = None
+        with self.stream:
+            yield
+
+    def wait(self):
+        """Until the GPU has finished everything launched (a run launched ahead included)."""
+        self.stream.synchronize()
+
+    def reset(self):
+        """Forget the run in flight (a failed step's): the next decode starts afresh from the host's tokens, and stream
+        order keeps its writes before any later work."""
+        self.in_flight = None
