@@ -41,7 +41,7 @@ def find_gpu():
 # 1. compiling and launching kernels.cu
 
 KERNELS_CU = Path(__file__).with_name("kernels.cu")
-PLAIN = ["matmul_f32", "matmul_skinny", "attention_prefill", "penalize", "sample_pass", "sample_pick", "decode_advance"]
+PLAIN = ["matmul_f32", "attention_prefill", "penalize", "sample_pass", "sample_pick", "decode_advance"]
 GEMV_SMEM = 224 * 1024  # matmul_gemv keeps x in shared memory: K * 2 bytes at most
 SAMPLE_WARP, SAMPLE_CAP, SUMMARY_BYTES = 512, 16, 24  # kernels.cu's sampler: a pass warp's logits, its candidates
 SAMPLE_THREADS = 256  # the pick's block: its head holds 128 warps' candidates (16 KB), its exact way a row of logits
@@ -119,7 +119,7 @@ def launch_dependent(kernel, grid, block, args, shared_mem):
 # 2. the op set as kernels, and the plans that pick a kernel for each shape
 
 SPLITK_SCRATCH = 1 << 22  # floats of split-K partial sums (16 MB), enough for every GPT-2 decode shape
-GEMV_LIGHT = 8 << 20  # matrices up to this many bytes take matmul_gemv<4>: room on the SM for the next kernel
+GEMV_LIGHT = 8 << 20  # matrices up to this many bytes take the lighter gemv: room on the SM for the next kernel
 SKINNY_MAX_M = 8  # decode batches up to this many rows stream the weights through matmul_skinny
 PREFILL_MIN_Q = 16  # fp16 sequences with this many queries in a step use the tensor-core prefill attention
 INVARIANT_SPLITS = 16  # batch-invariant attention: a row of L keys always in min(16, L/32) splits, whatever the batch
@@ -135,6 +135,8 @@ class MatmulPlan:
     k_per_split: int = 0
     ln_fused: bool = False  # the layernorm in front runs in the kernel's prologue (else as a kernel of its own)
     rows_per_launch: int = 0  # M in launches of this many rows (0: one launch), each with its grid's rows
+    rows_per_warp: int = 0  # matmul_gemv: rows of w a warp streams, as many for every warp
+    dequantize: bool = False  # int8 weights made fp16 (or fp32) first, for a kernel that reads no int8
 
 
 def split_k(blocks, per_sm, K, most, MN, num_sms):
@@ -147,35 +149,38 @@ def split_k(blocks, per_sm, K, most, MN, num_sms):
     return cdiv(K, k_per_split), k_per_split
 
 
-def plan_matmul(M, N, K, ln, dtype, num_sms, invariant=False):
+def plan_matmul(M, N, K, ln, dtype, num_sms, invariant=False, int8=False):
     """Kernel, tiles and split for y = epilogue(layernorm(x) @ w.T), x (M, K), w (N, K); ln: fuse the layernorm.
     Decode is memory-bound (stream w once, keep every SM busy); prefill compute-bound (big tiles, few rounds).
-    invariant: one tile and one K split for every M (by N and K alone): a row's sums run in one order in any batch."""
+    invariant: one tile and one K split for every M (by N and K alone): a row's sums run in one order in any batch.
+    int8: w is int8 (W8A16): the gemv and the skinny kernel read it as it is; the others get it dequantized first."""
     if np.dtype(dtype) == np.float32:  # the exact path: plain fp32 FMAs, 64 x 64 tiles
-        return MatmulPlan("matmul_f32", (cdiv(N, 64), cdiv(M, 64), 1), 256)
+        return MatmulPlan("matmul_f32", (cdiv(N, 64), cdiv(M, 64), 1), 256, dequantize=int8)
     if invariant:  # decode's tile, and K split by N and K alone (as for a 64-row batch), M cut to fit the scratch
         most = cdiv(K, 64) if N % 4 == 0 else 1
         splits, k_per_split = split_k(cdiv(N, 32), 2, K, most, 64 * N, num_sms)
         rows = min(M, max(64, SPLITK_SCRATCH // (N * splits) // 64 * 64) if splits > 1 else M)
         return MatmulPlan("matmul_tc<64,32,8>", (cdiv(N, 32), cdiv(rows, 64), splits), 128, tc_smem(64, 32, 8),
-                          splits, k_per_split, rows_per_launch=rows)
+                          splits, k_per_split, rows_per_launch=rows, dequantize=int8)
+    weight = "i8" if int8 else "half"
     if M == 1 and K * 2 <= GEMV_SMEM and N <= 16384 and (not ln or K <= 2048):
-        # one stream's decode: a warp per row of w; the lm_head's 50257 rows stream as fast through the tensor cores
-        light = N * K * 2 <= GEMV_LIGHT  # 4 loads per lane per round leave room for the next kernel's blocks
-        return MatmulPlan(f"matmul_gemv<{4 if light else 8}>", (min(cdiv(N, 8), 2 * num_sms), 1, 1), 256,
-                          K * 2, ln_fused=ln)
+        # one stream's decode: warps streaming rows of w, as many each, in at most 2 blocks an SM; the lm_head's 50257
+        # rows stream as fast through the tensor cores. R 16-byte loads a lane in flight: 8 keep the most bytes in
+        # flight; 4 up to GEMV_LIGHT bytes, so that the next kernel's blocks fit beside
+        rows_per_warp = cdiv(N, 8 * 2 * num_sms)
+        R = 4 if N * K * (1 if int8 else 2) <= GEMV_LIGHT else 8
+        return MatmulPlan(f"matmul_gemv<{weight},{R}>", (cdiv(cdiv(N, rows_per_warp), 8), 1, 1), 256, K * 2,
+                          ln_fused=ln, rows_per_warp=rows_per_warp)
     if M <= SKINNY_MAX_M:  # small decode batches: 16 rows of w per block through the tensor cores, K split >= 16 ways
         splits, k_per_split = split_k(cdiv(N, 16), 2, K, cdiv(K, 64) // 16, M * N, num_sms)
-        return MatmulPlan("matmul_skinny", (cdiv(N, 16), splits, 1), 128, 0, splits, k_per_split)
-    # matmul_tc (wgmma). Prefill whose 128-row tiles fill the SMs: 3 stages, two blocks per SM, 144-wide tiles where
-    # they take fewer rounds of blocks (a round costs about the tile width). Fewer tiles than SMs: a block has its SM
-    # alone, so more stages; 128-row tiles while 64-row ones would fill the SMs. Decode batches of 9-512 rows: 64 x 32
-    # tiles while <= 2 blocks per SM (more blocks, fewer k-steps each), else 64 x 128, 8 stages, K split >= 12 ways.
+        return MatmulPlan(f"matmul_skinny<{weight}>", (cdiv(N, 16), splits, 1), 128, 0, splits, k_per_split)
+    # matmul_tc (wgmma). Prefill whose 128 x 128 tiles fill the SMs: 3 stages, two blocks per SM. Fewer tiles than SMs:
+    # a block has its SM alone, so more stages; 128-row tiles while 64-row ones would fill the SMs. Decode batches of
+    # 9-512 rows: 64 x 32 tiles while <= 2 blocks per SM (more blocks, fewer k-steps each), else 64 x 128, 8 stages, K
+    # split >= 12 ways.
     gn, bn, per_sm = cdiv(N, 128), 128, 1
     if M > 64 and cdiv(M, 128) * gn >= num_sms:
         bm, stages = 128, 3
-        rounds = lambda width: cdiv(cdiv(M, 128) * cdiv(N, width), 2 * num_sms) * width
-        bn = 144 if rounds(144) < rounds(128) else 128
     elif cdiv(M, 64) * gn >= num_sms:
         bm, stages = (64, 3) if M <= 64 else (128, 4)
     else:
@@ -185,7 +190,7 @@ def plan_matmul(M, N, K, ln, dtype, num_sms, invariant=False):
     most = cdiv(K, 64) // 12 if N % 4 == 0 else 1
     splits, k_per_split = split_k(cdiv(M, bm) * cdiv(N, bn), per_sm, K, most, M * N, num_sms)
     return MatmulPlan(f"matmul_tc<{bm},{bn},{stages}>", (cdiv(N, bn), cdiv(M, bm), splits), 2 * bm,
-                      tc_smem(bm, bn, stages), splits, k_per_split)
+                      tc_smem(bm, bn, stages), splits, k_per_split, dequantize=int8)
 
 
 def plan_attention(cu_seqlens_q, context_lens, min_q):
@@ -261,6 +266,7 @@ class CudaBackend:
         self._counters = cp.zeros(4096, np.int32)  # split-K and split-context arrival counters (self-resetting)
         self._partial = cp.empty(SPLITK_SCRATCH, np.float32)  # split-K partial sums
         self._sample_scratch = {}  # V: (chunk summaries, candidates) from the sampler's pass to its pick
+        self._dequantized = [cp.empty(0, self.dtype)]  # int8 weights dequantized for matmul_tc (_dequantize)
 
     @property
     def tile_min_q(self):
@@ -276,9 +282,10 @@ class CudaBackend:
                              f"memory); this model has {config.head_dim}, {config.n_inner} and {config.vocab_size}: "
                              "use device='cpu'")
 
-    def launch(self, name, grid, block, args, shared_mem=0):
-        """Launch `name` on the current stream: in capture() with dependent launches on as one, else through CuPy."""
-        if self._dependent:
+    def launch(self, name, grid, block, args, shared_mem=0, dependent=True):
+        """Launch `name` on the current stream: in capture() with dependent launches on as one (unless `dependent` is
+        False), else through CuPy."""
+        if self._dependent and dependent:
             return launch_dependent(self.kernels[name], grid, block, args, shared_mem)
         self.kernels[name](grid, block, args, shared_mem=shared_mem)
 
@@ -356,9 +363,11 @@ class CudaBackend:
         return y
 
     def matmul(self, x, w, bias=None, gelu=False, residual=None, ln=None, out_dtype=None):
+        q, scale = (w.q, w.scale) if hasattr(w, "scale") else (w, None)  # an Int8Weight: int8 rows, a scale each
         M, K = x.shape
-        N = w.shape[0]
-        plan = plan_matmul(M, N, K, ln is not None and self.fused, self.dtype, self.num_sms, self.batch_invariant)
+        N = q.shape[0]
+        plan = plan_matmul(M, N, K, ln is not None and self.fused, self.dtype, self.num_sms, self.batch_invariant,
+                           int8=scale is not None)
         if ln is not None and not plan.ln_fused:  # the layernorm as a kernel of its own
             x, ln = self.layernorm(x, *ln), None
         if not self.fused and (bias is not None or gelu or residual is not None):
@@ -367,38 +376,57 @@ class CudaBackend:
             y = self._gelu(y) if gelu else y
             y = y if residual is None else y + residual
             return y if out_dtype is None else y.astype(out_dtype)
-        x, w = self._contiguous(x), self._contiguous(w)
-        if w.shape[1] != K:
-            raise ValueError(f"matmul: x is (M, K) = {x.shape} but w is {w.shape}, expected (N, {K})")
-        if self.dtype == np.float16 and K % 8:
-            raise ValueError(f"matmul: K={K} must be a multiple of 8 (rows are read as 16-byte vectors)")
+        x, q = self._contiguous(x), self._contiguous(q, None if scale is None else np.int8)
+        if q.shape[1] != K:
+            raise ValueError(f"matmul: x is (M, K) = {x.shape} but w is {q.shape}, expected (N, {K})")
+        if self.dtype == np.float16 and K % (8 if scale is None else 16):
+            raise ValueError(f"matmul: K={K} must be a multiple of {8 if scale is None else 16} (rows are read as "
+                             "16-byte vectors)")
         f32 = self.dtype == np.float32 or np.dtype(out_dtype or self.dtype) == np.float32  # logits: the accumulator
         y = self.empty((M, N), np.float32 if f32 else self.dtype)
         if M == 0 or N == 0:
             return y
+        if plan.dequantize:
+            q = self._dequantize(q)
+        scale = 0 if scale is None else self._contiguous(scale, np.float32)
         bias = 0 if bias is None else self._contiguous(bias)
         residual = None if residual is None else self._contiguous(residual)
         rows = plan.rows_per_launch
         if not rows or rows >= M:
-            self._matmul_launch(plan, plan.grid, x, w, bias, residual, y, gelu, f32, ln)
+            self._matmul_launch(plan, plan.grid, x, q, scale, bias, residual, y, gelu, f32, ln)
         else:  # batch-invariant plans: M in launches whose split-K partial sums fit the scratch (64-row tiles)
             for r in range(0, M, rows):
                 m = min(rows, M - r)
-                self._matmul_launch(plan, (plan.grid[0], cdiv(m, 64), plan.grid[2]), x[r:r + m], w, bias,
+                self._matmul_launch(plan, (plan.grid[0], cdiv(m, 64), plan.grid[2]), x[r:r + m], q, scale, bias,
                                     None if residual is None else residual[r:r + m], y[r:r + m], gelu, f32, ln)
         return y if out_dtype is None else y.astype(out_dtype, copy=False)
 
-    def _matmul_launch(self, plan, grid, x, w, bias, residual, y, gelu, f32, ln):
+    def _matmul_launch(self, plan, grid, x, w, scale, bias, residual, y, gelu, f32, ln):
         """One launch of plan's kernel over these rows of x, y (and residual) on this grid."""
         M, K = x.shape
-        args = (x, w, bias, 0 if residual is None else residual, y, np.int32(M), np.int32(len(w)), np.int32(K),
-                np.int32(bool(gelu)))
+        head, tail = (x, w, scale, bias, 0 if residual is None else residual, y), (np.int32(len(w)), np.int32(K),
+                                                                                    np.int32(bool(gelu)))
         if plan.kernel.startswith("matmul_gemv"):
             ln_w, ln_b, eps = (0, 0, 0.0) if ln is None else (self._contiguous(ln[0]), self._contiguous(ln[1]), ln[2])
-            args += (np.int32(f32), ln_w, ln_b, np.float32(eps))
-        elif plan.kernel != "matmul_f32":
-            args += (np.int32(f32), np.int32(plan.k_per_split), self._partial, self._counters)
-        self.launch(plan.kernel, grid, (plan.block,), args, shared_mem=plan.shared_mem)
+            args = head + tail + (np.int32(f32), ln_w, ln_b, np.float32(eps), np.int32(plan.rows_per_warp))
+        elif plan.kernel == "matmul_f32":
+            args = head + (np.int32(M),) + tail
+        else:
+            args = head + (np.int32(M),) + tail + (np.int32(f32), np.int32(plan.k_per_split), self._partial,
+                                                   self._counters)
+        # after a dequantize, not a dependent launch: the kernel would load its weights before they are written
+        self.launch(plan.kernel, grid, (plan.block,), args, shared_mem=plan.shared_mem, dependent=not plan.dequantize)
+
+    def _dequantize(self, q):
+        """int8 weights as our dtype, unscaled (the matmul's epilogue scales), in a scratch grown to the largest so far
+        and never freed (a CUDA graph may hold the pointer of an outgrown one). Not a dependent launch: the matmul
+        before it may still be reading the scratch."""
+        if self._dequantized[-1].size < q.size:
+            self._dequantized.append(cp.empty(q.size, self.dtype))
+        out = self._dequantized[-1][:q.size].reshape(q.shape)
+        self.launch(f"dequantize<{self.t}>", (min(cdiv(q.size, 8 * 256), 4 * self.num_sms),), (256,),
+                    (q, out, np.int64(q.size)), dependent=False)
+        return out
 
     def cache_write(self, k, v, k_cache, v_cache, slot_mapping):
         (k, ks), (v, vs) = self._heads(k), self._heads(v)

@@ -10,7 +10,7 @@
 //   3. layernorm         y = (x - mean) / sqrt(var + eps) * w + b, one warp per row
 //   4. matmul_f32        y = epilogue(x @ w.T) in fp32: shared-memory tiles, no tensor cores (exact path)
 //   5. attention_decode  one query row against its paged keys, split along the context (flash-decoding)
-//   6. matmul_gemv       y = epilogue(ln(x) @ w.T) for one row of x: warps streaming the weights
+//   6. matmul_gemv       y = epilogue(ln(x) @ w.T) for one row of x: warps streaming the weights (fp16 or int8)
 //   7. matmul_skinny     the same for 2-8 rows of x, on mma.sync with w as the A operand
 //   8. matmul_tc         the tiled tensor-core matmul on wgmma (prefill, decode batches of 9 and more)
 //   9. attention_prefill causal FlashAttention-2 over the paged KV cache, on mma.sync
@@ -21,6 +21,7 @@
 #include <cuda_fp16.h>
 #define NEG_INF __int_as_float(0xff800000)
 #define FULL_MASK 0xffffffffu
+#define UNROLL _Pragma("unroll")  // the loop after it, fully unrolled
 
 // ---------------------------------------------------------------------------------------------
 // common helpers
@@ -48,6 +49,21 @@ __device__ __forceinline__ float warp_sum(float v) {
     for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(FULL_MASK, v, off);
     return v;
 }
+template <typename T, typename Op> __device__ T warp_reduce(T v, Op op) {
+    for (int off = 16; off > 0; off >>= 1) v = op(v, __shfl_xor_sync(FULL_MASK, v, off));
+    return v;
+}
+template <typename T, typename Op> __device__ T block_reduce(T v, Op op) {  // every thread gets op over the block
+    __shared__ T scratch[32];
+    v = warp_reduce(v, op);
+    __syncthreads();  // a previous call's readers are done with the scratch
+    if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
+    __syncthreads();
+    v = scratch[0];
+    for (int w = 1; w < (int)(blockDim.x >> 5); w++) v = op(v, scratch[w]);  // the same order in every thread
+    return v;
+}
+template <typename T> __device__ T block_sum(T v) { return block_reduce(v, [](T a, T b) { return a + b; }); }
 
 // Split-K (and split-context attention): the blocks of a group each leave a partial result in global memory
 // and count themselves in; the last to arrive (a counter per group, reset for the next launch) merges them, reading
@@ -71,10 +87,12 @@ __device__ __forceinline__ float gelu_tanh(float x) {
     return 0.5f * x * (1.f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x)));
 }
 
-// the fused matmul epilogue, in fp32 before the single rounding to the output type
+// the fused matmul epilogue, in fp32 before the single rounding to the output type; scale: int8 weights' (W8A16), the
+// output channel's, applied once to its dot product
 template <typename T>
-__device__ __forceinline__ float epilogue(float acc, const T* bias, const T* residual, int gelu,
+__device__ __forceinline__ float epilogue(float acc, const float* scale, const T* bias, const T* residual, int gelu,
                                           int m, int n, int N) {
+    if (scale) acc *= scale[n];
     if (bias) acc += to_float(bias[n]);
     if (gelu) acc = gelu_tanh(acc);
     if (residual) acc += to_float(residual[(long)m * N + n]);
@@ -100,8 +118,7 @@ __global__ void embed(const T* wte, const T* wpe, const int* ids, const int* pos
         uint4 ar = load16(a + c), pr = load16(p + c), r;
         const T *ae = reinterpret_cast<const T*>(&ar), *pe = reinterpret_cast<const T*>(&pr);
         T* re = reinterpret_cast<T*>(&r);
-#pragma unroll
-        for (int j = 0; j < VEC; j++) re[j] = from_float<T>(to_float(ae[j]) + to_float(pe[j]));
+        UNROLL for (int j = 0; j < VEC; j++) re[j] = from_float<T>(to_float(ae[j]) + to_float(pe[j]));
         store16(o + c, r);
     }
 }
@@ -134,8 +151,7 @@ __global__ void __launch_bounds__(128) layernorm(const T* x, const T* w, const T
     // a decode step's few rows: the gain and bias go to L1 before the wait (no kernel writes them), so in a graph
     // their trip to HBM overlaps the kernel before. Not for a prefill's thousands of blocks: far slower there.
     if (rows <= 256) {
-#pragma unroll
-        for (int i = 0; i < NV; i++) {
+        UNROLL for (int i = 0; i < NV; i++) {
             int c = (i * 32 + lane) * VEC;
             if (c >= C) break;
             prefetch_l1(w + c);
@@ -147,36 +163,30 @@ __global__ void __launch_bounds__(128) layernorm(const T* x, const T* w, const T
     const long off = (long)row * C;
     float v[NV][VEC];
     float sum = 0.f;
-#pragma unroll
-    for (int i = 0; i < NV; i++) {
+    UNROLL for (int i = 0; i < NV; i++) {
         int c = (i * 32 + lane) * VEC;
         if (c >= C) break;
         uint4 xr = load16(x + off + c);
         const T* xe = reinterpret_cast<const T*>(&xr);
-#pragma unroll
-        for (int j = 0; j < VEC; j++) {
+        UNROLL for (int j = 0; j < VEC; j++) {
             v[i][j] = to_float(xe[j]);
             sum += v[i][j];
         }
     }
     const float mean = warp_sum(sum) / C;
     float sq = 0.f;
-#pragma unroll
-    for (int i = 0; i < NV; i++) {
+    UNROLL for (int i = 0; i < NV; i++) {
         if ((i * 32 + lane) * VEC >= C) break;
-#pragma unroll
-        for (int j = 0; j < VEC; j++) sq += (v[i][j] - mean) * (v[i][j] - mean);
+        UNROLL for (int j = 0; j < VEC; j++) sq += (v[i][j] - mean) * (v[i][j] - mean);
     }
     const float rstd = rsqrtf(warp_sum(sq) / C + eps);
-#pragma unroll
-    for (int i = 0; i < NV; i++) {
+    UNROLL for (int i = 0; i < NV; i++) {
         int c = (i * 32 + lane) * VEC;
         if (c >= C) break;
         uint4 wr = load16(w + c), br = load16(b + c), out;
         const T *we = reinterpret_cast<const T*>(&wr), *be = reinterpret_cast<const T*>(&br);
         T* oe = reinterpret_cast<T*>(&out);
-#pragma unroll
-        for (int j = 0; j < VEC; j++) oe[j] = from_float<T>((v[i][j] - mean) * rstd * to_float(we[j]) + to_float(be[j]));
+        UNROLL for (int j = 0; j < VEC; j++) oe[j] = from_float<T>((v[i][j] - mean) * rstd * to_float(we[j]) + to_float(be[j]));
         store16(y + off + c, out);
     }
 }
@@ -184,9 +194,9 @@ __global__ void __launch_bounds__(128) layernorm(const T* x, const T* w, const T
 // 4. matmul_f32: y = epilogue(x @ w.T) in fp32, for exact comparisons rather than speed (SIMT, no tensor
 // cores). Classic shared-memory tiling: a 64 x 64 tile of y per block, K by 16; each of 256 threads owns a
 // 4 x 4 patch, so each shared-memory read feeds 4 FMAs. 2*M*N*K FLOPs; x read N/64 times, w M/64 (L2).
-extern "C" __global__ void __launch_bounds__(256) matmul_f32(const float* x, const float* __restrict__ w,
-                                                             const float* __restrict__ bias, const float* residual, float* __restrict__ y,
-                                                             int M, int N, int K, int gelu) {
+extern "C" __global__ void __launch_bounds__(256) matmul_f32(
+    const float* x, const float* __restrict__ w, const float* __restrict__ scale, const float* __restrict__ bias,
+    const float* residual, float* __restrict__ y, int M, int N, int K, int gelu) {
     wait_for_inputs();
     __shared__ float xs[16][64 + 4], ws[16][64 + 4];  // k-major: the inner loop reads along m and n
     const int tx = threadIdx.x % 16, ty = threadIdx.x / 16, m0 = blockIdx.y * 64, n0 = blockIdx.x * 64;
@@ -198,18 +208,15 @@ extern "C" __global__ void __launch_bounds__(256) matmul_f32(const float* x, con
             ws[i % 16][r] = (n0 + r < N && k < K) ? w[(long)(n0 + r) * K + k] : 0.f;
         }
         __syncthreads();
-#pragma unroll
-        for (int k = 0; k < 16; k++)
-#pragma unroll
-            for (int i = 0; i < 4; i++)
-#pragma unroll
-                for (int j = 0; j < 4; j++) acc[i][j] += xs[k][ty * 4 + i] * ws[k][tx * 4 + j];
+        UNROLL for (int k = 0; k < 16; k++)
+            UNROLL for (int i = 0; i < 4; i++)
+                UNROLL for (int j = 0; j < 4; j++) acc[i][j] += xs[k][ty * 4 + i] * ws[k][tx * 4 + j];
         __syncthreads();
     }
     for (int i = 0; i < 4; i++)
         for (int j = 0; j < 4; j++) {
             int m = m0 + ty * 4 + i, n = n0 + tx * 4 + j;
-            if (m < M && n < N) y[(long)m * N + n] = epilogue(acc[i][j], bias, residual, gelu, m, n, N);
+            if (m < M && n < N) y[(long)m * N + n] = epilogue(acc[i][j], scale, bias, residual, gelu, m, n, N);
         }
 }
 
@@ -274,8 +281,7 @@ __global__ void __launch_bounds__(128) attention_decode(
 
     float qv[VEC], o[VEC], m = NEG_INF, l = 0.f;
     uint4 qraw = load16(q + (long)qr * q_stride + h * D + sub * VEC);
-#pragma unroll
-    for (int i = 0; i < VEC; i++) { qv[i] = to_float(reinterpret_cast<const T*>(&qraw)[i]) * scale_log2; o[i] = 0.f; }
+    UNROLL for (int i = 0; i < VEC; i++) { qv[i] = to_float(reinterpret_cast<const T*>(&qraw)[i]) * scale_log2; o[i] = 0.f; }
 
     for (int it = 0, base = k_begin + warp * KPW; base < k_end; it++, base += 4 * KPW) {  // same trip count for the warp
         cp_async_wait<RING - 2>();  // tile it has landed
@@ -292,15 +298,13 @@ __global__ void __launch_bounds__(128) attention_decode(
             vraw = ring[it % RING][1][threadIdx.x];
         }
         if (ok) {
-#pragma unroll
-            for (int i = 0; i < VEC; i++) s += qv[i] * to_float(reinterpret_cast<const T*>(&kraw)[i]);
+            UNROLL for (int i = 0; i < VEC; i++) s += qv[i] * to_float(reinterpret_cast<const T*>(&kraw)[i]);
         }
         for (int off = LPK / 2; off > 0; off >>= 1) s += __shfl_xor_sync(FULL_MASK, s, off);
         if (ok) {
             float mn = fmaxf(m, s), c = exp2f(m - mn), p = exp2f(s - mn);
             l = l * c + p;
-#pragma unroll
-            for (int i = 0; i < VEC; i++) o[i] = o[i] * c + p * to_float(reinterpret_cast<const T*>(&vraw)[i]);
+            UNROLL for (int i = 0; i < VEC; i++) o[i] = o[i] * c + p * to_float(reinterpret_cast<const T*>(&vraw)[i]);
             m = mn;
         }
     }
@@ -309,16 +313,14 @@ __global__ void __launch_bounds__(128) attention_decode(
         float m2 = __shfl_xor_sync(FULL_MASK, m, off), l2 = __shfl_xor_sync(FULL_MASK, l, off);
         float mn = fmaxf(m, m2);
         float c1 = mn == NEG_INF ? 0.f : exp2f(m - mn), c2 = mn == NEG_INF ? 0.f : exp2f(m2 - mn);
-#pragma unroll
-        for (int i = 0; i < VEC; i++) o[i] = o[i] * c1 + __shfl_xor_sync(FULL_MASK, o[i], off) * c2;
+        UNROLL for (int i = 0; i < VEC; i++) o[i] = o[i] * c1 + __shfl_xor_sync(FULL_MASK, o[i], off) * c2;
         l = l * c1 + l2 * c2;
         m = mn;
     }
     // then the 4 warps
     __shared__ float sm_o[4][D], sm_m[4], sm_l[4];
     if (grp == 0) {
-#pragma unroll
-        for (int i = 0; i < VEC; i++) sm_o[warp][sub * VEC + i] = o[i];
+        UNROLL for (int i = 0; i < VEC; i++) sm_o[warp][sub * VEC + i] = o[i];
         if (sub == 0) { sm_m[warp] = m; sm_l[warp] = l; }
     }
     __syncthreads();
@@ -364,132 +366,115 @@ __device__ __forceinline__ uint4 load16_stream(const void* p) {
     return r;
 }
 
+// int8 weights (W8A16), 8 at a time, as 8 halves, exactly (|q| <= 127): byte b placed under the exponent byte 0x64 is
+// the half 1024 + (b ^ 0x80), and 1152 (0x6480) less is b. A byte permute and a half2 subtraction a pair: int-to-float
+// conversions, 16 an SM a clock, would cost the ALU about what the halved bytes save.
+using i8 = signed char;
+__device__ __forceinline__ uint4 halves_of_int8(uint2 q) {
+    uint4 h;
+    unsigned* out = reinterpret_cast<unsigned*>(&h);
+    UNROLL for (int i = 0; i < 4; i++) {
+        unsigned p = __byte_perm((i < 2 ? q.x : q.y) ^ 0x80808080u, 0x64646464u, i % 2 ? 0x5352 : 0x5150);
+        __half2 v = __hsub2(*reinterpret_cast<__half2*>(&p), __half2half2(__ushort_as_half(0x6480)));
+        out[i] = *reinterpret_cast<unsigned*>(&v);
+    }
+    return h;
+}
+// Weights are loaded 16 bytes at a time (the widest load), 8 of them in fp16 or 16 in int8, and made halves when used:
+// part 0 of a load, or (int8) part 1
+template <typename W> __device__ __forceinline__ uint4 halves(uint4 raw, int part);
+template <> __device__ __forceinline__ uint4 halves<half>(uint4 raw, int) { return raw; }
+template <> __device__ __forceinline__ uint4 halves<i8>(uint4 raw, int part) {
+    return halves_of_int8(part ? make_uint2(raw.z, raw.w) : make_uint2(raw.x, raw.y));
+}
+__device__ __forceinline__ float dot8(uint4 a, uint4 b) {  // 8 halves by 8, summed in fp32
+    const half2 *ah = reinterpret_cast<const half2*>(&a), *bh = reinterpret_cast<const half2*>(&b);
+    float d = 0.f;
+    UNROLL for (int i = 0; i < 4; i++) {
+        const float2 u = __half22float2(ah[i]), v = __half22float2(bh[i]);
+        d += u.x * v.x + u.y * v.y;
+    }
+    return d;
+}
+
+// dequantize: int8 weights as T, unscaled, for the kernels that take w through shared memory (matmul_tc's cp.async,
+// matmul_f32), whose epilogue applies the scale. Memory-bound: 1 + sizeof(T) bytes a weight. Neither it nor the matmul
+// after it is a dependent launch: kernels load their weights before they wait, and this writes them.
+template <typename T>
+__global__ void dequantize(const i8* q, T* out, long n) {  // n % 8 == 0
+    for (long i = (blockIdx.x * (long)blockDim.x + threadIdx.x) * 8; i < n; i += (long)gridDim.x * blockDim.x * 8) {
+        uint4 h = halves_of_int8(*reinterpret_cast<const uint2*>(q + i));
+        UNROLL for (int j = 0; j < 8; j++) out[i + j] = from_float<T>(__half2float(reinterpret_cast<const half*>(&h)[j]));
+    }
+}
+
 // 6. matmul_gemv: y = epilogue(ln(x) @ w.T) for the one row of x of a single stream's decode (from two rows on,
-// matmul_skinny's tensor cores are faster), layernorm optionally fused in its prologue. M is 1; the loops over MR = 1
-// rows stay, as a one-row rewrite compiled slower (NOTES.md). Memory-bound (N*K*2 weight bytes read once, 2*N*K FLOPs).
-// A warp takes a row of w at a time, in rounds of R 16-byte loads per lane (256 * R of K), the next on the way during
-// the current one's dot products (two register buffers), then its next row, gridDim.x * 8 on. R = 8 keeps the most
-// bytes in flight (2 blocks per SM); R = 4 needs 64 registers, so 4 blocks fit an SM and the next kernel's (dependent
-// launch) load their weights beside this one's. The prologue copies x to shared memory while the first rounds fly,
-// normalised given ln_w (two block-wide sums): one L2 read of x per block, no layernorm kernel.
-template <int R>
+// matmul_skinny's tensor cores are faster), its layernorm fused in the prologue. Memory-bound: N*K weights read once
+// (2 bytes each, 1 in int8), 2*N*K FLOPs. Warp i takes rows [i * rows_per_warp, ...), as many for every warp (the rest
+// would wait for those with one more), in rounds of R 16-byte loads a lane (32 R loads of a row), the next round on its
+// way during this one's dot products (two register buffers). R = 8 keeps the most bytes in flight, 2 blocks an SM;
+// R = 4 leaves room on the SM for the next kernel's blocks (dependent launch) to load their weights beside this one's.
+// x goes to shared memory while the first rounds fly, normalised given ln_w (two block-wide sums): one L2 read of it a
+// block, no layernorm kernel.
+template <typename W, int R>
 __global__ void __launch_bounds__(256, R == 4 ? 4 : 2) matmul_gemv(
-    const half* x, const half* __restrict__ w, const half* __restrict__ bias, const half* residual, void* __restrict__ y,
-    int M, int N, int K, int gelu, int y_f32, const half* __restrict__ ln_w, const half* __restrict__ ln_b, float eps) {
-    constexpr int MR = 1;
+    const half* x, const W* __restrict__ w, const float* __restrict__ scale, const half* __restrict__ bias,
+    const half* residual, void* __restrict__ y, int N, int K, int gelu, int y_f32, const half* __restrict__ ln_w,
+    const half* __restrict__ ln_b, float eps, int rows_per_warp) {
+    constexpr int E = 16 / sizeof(W);  // weights a load
     extern __shared__ __align__(16) unsigned char smem[];
-    half* xs = reinterpret_cast<half*>(smem);  // (M, K): the rows of x, normalised when ln_w is given
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int rounds = (K + R * 256 - 1) / (R * 256), first = blockIdx.x * 8 + warp, stride = gridDim.x * 8;
-    const int Q = first < N ? (N - first + stride - 1) / stride * rounds : 0;  // rounds of this warp
-    auto load = [&](uint4 (&buf)[R], int q) {  // round q: row first + (q / rounds) * stride, k from 256 R (q % rounds)
+    half* xs = reinterpret_cast<half*>(smem);  // (K,): the row of x, normalised when ln_w is given
+    const int lane = threadIdx.x & 31, first = (blockIdx.x * 8 + (threadIdx.x >> 5)) * rows_per_warp;
+    const int rounds = (K + R * 32 * E - 1) / (R * 32 * E), Q = max(0, min(rows_per_warp, N - first)) * rounds;
+    auto load = [&](uint4 (&buf)[R], int q) {  // round q: row first + q / rounds, its k from 32 R E (q % rounds)
         if (q >= Q) return;
-        const half* row = w + (long)(first + q / rounds * stride) * K;
-#pragma unroll
-        for (int j = 0; j < R; j++) {
-            int k = (q % rounds) * R * 256 + (j * 32 + lane) * 8;
+        const W* row = w + (long)(first + q / rounds) * K;
+        UNROLL for (int j = 0; j < R; j++) {
+            int k = (q % rounds) * R * 32 * E + (j * 32 + lane) * E;
             if (k < K) buf[j] = load16_stream(row + k);
         }
     };
     uint4 wa[R], wb[R], gw, gb;
     load(wa, 0);
     load(wb, 1);
-    if (ln_w && threadIdx.x * 8 < K) { gw = load16(ln_w + threadIdx.x * 8); gb = load16(ln_b + threadIdx.x * 8); }
+    const int k = threadIdx.x * 8;  // the layernorm's 8 values of this thread (K <= 2048)
+    if (ln_w && k < K) { gw = load16(ln_w + k); gb = load16(ln_b + k); }
     wait_for_inputs();  // in a graph the first weights (and the layernorm's) are on their way while the kernel before finishes
 
-    if (!ln_w) {  // prologue: the block stages x (M, K) in shared memory while the weights are on their way
-        for (int i = threadIdx.x * 8; i < M * K; i += 256 * 8) store16(xs + i, load16(x + i));
-    } else {  // ... normalised: K <= 2048, so each thread owns one 16-byte chunk of each row, all loaded at once
-        __shared__ float red[8][MR];
-        const int k = threadIdx.x * 8;
-        const bool mine = k < K;
-        float s[MR];
-#pragma unroll
-        for (int m = 0; m < MR; m++) {
-            s[m] = 0.f;
-            if (m < M && mine) {  // each thread re-reads only its own chunks: no barrier needed
-                uint4 v = load16(x + (long)m * K + k);
-                store16(xs + m * K + k, v);
-                const half* e = reinterpret_cast<const half*>(&v);
-#pragma unroll
-                for (int i = 0; i < 8; i++) s[m] += __half2float(e[i]);
-            }
+    if (!ln_w) {  // prologue: the block stages x in shared memory while the weights are on their way
+        for (int i = k; i < K; i += 256 * 8) store16(xs + i, load16(x + i));
+    } else {  // ... normalised: the mean, then the centred sum of squares (no cancellation)
+        float v[8] = {}, sum = 0.f, sq = 0.f;
+        if (k < K) {
+            uint4 r = load16(x + k);
+            UNROLL for (int i = 0; i < 8; i++) sum += v[i] = __half2float(reinterpret_cast<const half*>(&r)[i]);
         }
-        float mean[MR], rstd[MR];
-        for (int pass = 0; pass < 2; pass++) {  // pass 0: the mean; pass 1: the centred sum of squares
-#pragma unroll
-            for (int m = 0; m < MR; m++) {
-                float v = warp_sum(s[m]);
-                if (lane == 0) red[warp][m] = v;
-            }
-            __syncthreads();
-#pragma unroll
-            for (int m = 0; m < MR; m++) {
-                float total = 0.f;
-                for (int w8 = 0; w8 < 8; w8++) total += red[w8][m];
-                if (pass == 0) mean[m] = total / K;
-                else rstd[m] = rsqrtf(total / K + eps);
-            }
-            __syncthreads();  // red is reused by pass 1
-#pragma unroll
-            for (int m = 0; m < MR; m++) {
-                s[m] = 0.f;
-                if (pass == 0 && m < M && mine) {
-                    uint4 v = load16(xs + m * K + k);
-                    const half* e = reinterpret_cast<const half*>(&v);
-#pragma unroll
-                    for (int i = 0; i < 8; i++) s[m] += (__half2float(e[i]) - mean[m]) * (__half2float(e[i]) - mean[m]);
-                }
-            }
-        }
-#pragma unroll
-        for (int m = 0; m < MR; m++) {
-            if (m >= M || !mine) continue;
-            uint4 v = load16(xs + m * K + k), out;
-            const half *e = reinterpret_cast<const half*>(&v), *ge = reinterpret_cast<const half*>(&gw),
-                       *be = reinterpret_cast<const half*>(&gb);
-            half* oe = reinterpret_cast<half*>(&out);
-#pragma unroll
-            for (int i = 0; i < 8; i++)  // rounded to fp16, as the layernorm kernel writes it
-                oe[i] = __float2half_rn((__half2float(e[i]) - mean[m]) * rstd[m] * __half2float(ge[i]) + __half2float(be[i]));
-            store16(xs + m * K + k, out);
+        const float mean = block_sum(sum) / K;
+        UNROLL for (int i = 0; i < 8; i++) sq += k < K ? (v[i] - mean) * (v[i] - mean) : 0.f;
+        const float rstd = rsqrtf(block_sum(sq) / K + eps);
+        if (k < K) {
+            const half *ge = reinterpret_cast<const half*>(&gw), *be = reinterpret_cast<const half*>(&gb);
+            uint4 out;
+            UNROLL for (int i = 0; i < 8; i++)  // rounded to fp16, as the layernorm kernel writes it
+                reinterpret_cast<half*>(&out)[i] = __float2half_rn((v[i] - mean) * rstd * __half2float(ge[i]) + __half2float(be[i]));
+            store16(xs + k, out);
         }
     }
     __syncthreads();
 
-    float acc[MR] = {};
+    float acc = 0.f;
     auto consume = [&](const uint4 (&buf)[R], int q) {
         if (q >= Q) return;
-#pragma unroll
-        for (int j = 0; j < R; j++) {
-            int k = (q % rounds) * R * 256 + (j * 32 + lane) * 8;
+        UNROLL for (int j = 0; j < R; j++) {
+            int k = (q % rounds) * R * 32 * E + (j * 32 + lane) * E;
             if (k >= K) break;
-            float wf[8];
-            const half2* wh = reinterpret_cast<const half2*>(&buf[j]);
-#pragma unroll
-            for (int i = 0; i < 4; i++) { float2 f = __half22float2(wh[i]); wf[2 * i] = f.x; wf[2 * i + 1] = f.y; }
-#pragma unroll
-            for (int m = 0; m < MR; m++) {
-                if (m >= M) break;
-                uint4 xv = load16(xs + m * K + k);
-                const half2* xh = reinterpret_cast<const half2*>(&xv);
-#pragma unroll
-                for (int i = 0; i < 4; i++) {
-                    float2 f = __half22float2(xh[i]);
-                    acc[m] += wf[2 * i] * f.x + wf[2 * i + 1] * f.y;
-                }
-            }
+            UNROLL for (int part = 0; part < E / 8; part++) acc += dot8(halves<W>(buf[j], part), load16(xs + k + 8 * part));
         }
         if (q % rounds != rounds - 1) return;
-        float mine = 0.f;  // the row is done: lane m keeps row m's total
-#pragma unroll
-        for (int m = 0; m < MR; m++) {
-            float s = warp_sum(acc[m]);
-            if (lane == m) mine = s;
-            acc[m] = 0.f;
-        }
-        const int n = first + q / rounds * stride;
-        if (lane < M) store_y(y, (long)lane * N + n, epilogue(mine, bias, residual, gelu, lane, n, N), y_f32);
+        const int n = first + q / rounds;  // the row is done
+        const float dot = warp_sum(acc);
+        acc = 0.f;
+        if (lane == 0) store_y(y, n, epilogue(dot, scale, bias, residual, gelu, 0, n, N), y_f32);
     };
     for (int q = 0; q < Q; q += 2) {  // while one buffer is consumed, the other is on its way
         consume(wa, q);
@@ -512,45 +497,46 @@ __device__ __forceinline__ void mma16816(float* c, const unsigned* a, const unsi
 // on, matmul_tc wins). Memory-bound: 2*M*N*K FLOPs over N*K*2 bytes of weights; a 64-row tile would be mostly empty.
 // A block owns 16 rows of w, on the tensor cores with roles swapped: w is the mma's A (16 x k16), the 8 rows of x its
 // B. Dot products ignore k's order, so each thread feeds the mma the 8 consecutive k of one 16-byte load (of w and x),
-// not the fragment layout's scattered pairs: no shared memory on the way in, w read once. 4 warps take interleaved
-// 64-wide chunks of K, each issuing 4 chunks' loads before its first mma, then sum in shared memory. When N gives too
-// few blocks (768 x 3072), K is split over blockIdx.y: the last to arrive adds the partial sums, runs the epilogue.
-extern "C" __global__ void __launch_bounds__(128) matmul_skinny(
-    const half* x, const half* __restrict__ w, const half* __restrict__ bias, const half* residual, void* __restrict__ y,
-    int M, int N, int K, int gelu, int y_f32, int k_per_split, float* partial, int* counters) {
+// not the fragment layout's scattered pairs: no shared memory on the way in, w read once (int8: 16 k a load, made
+// halves when used). 4 warps take interleaved 64-wide chunks of K, each issuing 4 chunks' loads before its first mma,
+// then sum in shared memory. When N gives too few blocks (768 x 3072), K is split over blockIdx.y: the last to arrive
+// adds the partial sums, runs the epilogue.
+template <typename W>
+__global__ void __launch_bounds__(128) matmul_skinny(
+    const half* x, const W* __restrict__ w, const float* __restrict__ scale, const half* __restrict__ bias,
+    const half* residual, void* __restrict__ y, int M, int N, int K, int gelu, int y_f32, int k_per_split, float* partial,
+    int* counters) {
     constexpr int U = 4;  // chunks per warp step
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3, n0 = blockIdx.x * 16;
     const int k_begin = blockIdx.y * k_per_split, k_end = min(K, k_begin + k_per_split);
+    // this thread's k of group hf (of 2) in chunk u: fp16 two loads 32 apart, int8 one load of 16 (see halves)
+    constexpr int E = 16 / sizeof(W), LOADS = 16 / E;
+    auto k_of = [&](int k, int u, int hf) { return k + 256 * u + (E == 8 ? 32 * hf + 8 * t : 16 * t + 8 * hf); };
     // rows past N read a valid row and compute garbage that is never stored
-    const half* w0 = w + (long)min(n0 + g, N - 1) * K;
-    const half* w1 = w + (long)min(n0 + g + 8, N - 1) * K;
+    const W* w0 = w + (long)min(n0 + g, N - 1) * K;
+    const W* w1 = w + (long)min(n0 + g + 8, N - 1) * K;
     const uint4 zero = make_uint4(0, 0, 0, 0);
     float acc[4] = {};
     bool waited = false;
     for (int k = k_begin + warp * 64; k < k_end; k += 4 * 64 * U) {  // chunk u of this step: k + 256 u
-        uint4 a0[U][2], a1[U][2];
-#pragma unroll
-        for (int u = 0; u < U; u++)
-#pragma unroll
-            for (int hf = 0; hf < 2; hf++) {
-                int kk = k + 256 * u + 32 * hf + 8 * t;
-                a0[u][hf] = kk < k_end ? load16_stream(w0 + kk) : zero;
-                a1[u][hf] = kk < k_end ? load16_stream(w1 + kk) : zero;
+        uint4 a0[U][LOADS], a1[U][LOADS];
+        UNROLL for (int u = 0; u < U; u++)
+            UNROLL for (int i = 0; i < LOADS; i++) {
+                int kk = k_of(k, u, i);
+                a0[u][i] = kk < k_end ? load16_stream(w0 + kk) : zero;
+                a1[u][i] = kk < k_end ? load16_stream(w1 + kk) : zero;
             }
         if (!waited) wait_for_inputs();  // x comes from the kernel before: the first weights go out first
         waited = true;
-#pragma unroll
-        for (int u = 0; u < U; u++) {
+        UNROLL for (int u = 0; u < U; u++) {
             uint4 xv[2];
-#pragma unroll
-            for (int hf = 0; hf < 2; hf++) {
-                int kk = k + 256 * u + 32 * hf + 8 * t;
+            UNROLL for (int hf = 0; hf < 2; hf++) {
+                int kk = k_of(k, u, hf);
                 xv[hf] = (kk < k_end && g < M) ? load16(x + (long)g * K + kk) : zero;
             }
-#pragma unroll
-            for (int hf = 0; hf < 2; hf++) {
-                unsigned A0[4] = {a0[u][hf].x, a1[u][hf].x, a0[u][hf].y, a1[u][hf].y};
-                unsigned A1[4] = {a0[u][hf].z, a1[u][hf].z, a0[u][hf].w, a1[u][hf].w};
+            UNROLL for (int hf = 0; hf < 2; hf++) {
+                const uint4 r0 = halves<W>(a0[u][hf % LOADS], hf / LOADS), r1 = halves<W>(a1[u][hf % LOADS], hf / LOADS);
+                unsigned A0[4] = {r0.x, r1.x, r0.y, r1.y}, A1[4] = {r0.z, r1.z, r0.w, r1.w};
                 unsigned B0[2] = {xv[hf].x, xv[hf].y}, B1[2] = {xv[hf].z, xv[hf].w};
                 mma16816(acc, A0, B0);
                 mma16816(acc, A1, B1);
@@ -559,44 +545,38 @@ extern "C" __global__ void __launch_bounds__(128) matmul_skinny(
     }
     if (!waited) wait_for_inputs();  // a warp with no chunk of K
     __shared__ float red[4][4][32];
-#pragma unroll
-    for (int e = 0; e < 4; e++) red[warp][e][lane] = acc[e];
+    UNROLL for (int e = 0; e < 4; e++) red[warp][e][lane] = acc[e];
     __syncthreads();
     // warp 0 finishes: acc[e] is y[m = 2t + (e&1)][n = n0 + g + 8*(e>>1)]
     if (warp == 0)
-#pragma unroll
-        for (int e = 0; e < 4; e++) acc[e] = red[0][e][lane] + red[1][e][lane] + red[2][e][lane] + red[3][e][lane];
+        UNROLL for (int e = 0; e < 4; e++) acc[e] = red[0][e][lane] + red[1][e][lane] + red[2][e][lane] + red[3][e][lane];
     const int m0 = 2 * t;
     if (gridDim.y > 1) {
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
+        UNROLL for (int e = 0; e < 4; e++) {
             int m = m0 + (e & 1), n = n0 + g + 8 * (e >> 1);
             if (warp == 0 && m < M && n < N) partial[((long)blockIdx.y * M + m) * N + n] = acc[e];
         }
         if (!last_to_arrive(&counters[blockIdx.x], gridDim.y) || warp != 0) return;
         for (int sp = 0; sp < (int)gridDim.y; sp++)  // split-major: each split's loads all in flight at once
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
+            UNROLL for (int e = 0; e < 4; e++) {
                 int m = m0 + (e & 1), n = n0 + g + 8 * (e >> 1);
                 float v = (m < M && n < N) ? __ldcg(&partial[((long)sp * M + m) * N + n]) : 0.f;
                 acc[e] = sp == 0 ? v : acc[e] + v;
             }
     }
     if (warp != 0) return;
-#pragma unroll
-    for (int e = 0; e < 4; e++) {  // epilogue reads first, then the stores
+    UNROLL for (int e = 0; e < 4; e++) {  // epilogue reads first, then the stores
         int m = m0 + (e & 1), n = n0 + g + 8 * (e >> 1);
-        acc[e] = (m < M && n < N) ? epilogue(acc[e], bias, residual, gelu, m, n, N) : 0.f;
+        acc[e] = (m < M && n < N) ? epilogue(acc[e], scale, bias, residual, gelu, m, n, N) : 0.f;
     }
-#pragma unroll
-    for (int e = 0; e < 4; e++) {
+    UNROLL for (int e = 0; e < 4; e++) {
         int m = m0 + (e & 1), n = n0 + g + 8 * (e >> 1);
         if (m < M && n < N) store_y(y, (long)m * N + n, acc[e], y_f32);
     }
 }
 
 // Hopper's warpgroup tensor-core instruction (wgmma, sm_90a): a warpgroup's 128 threads multiply a 64 x 16 tile of A by
-// a 16 x N tile of B (N = 32, 128 or 144 here), both in shared memory, into 64 x N fp32 accumulators, N / 2 per thread;
+// a 16 x N tile of B (N = 32 or 128 here), both in shared memory, into 64 x N fp32 accumulators, N / 2 per thread;
 // asynchronous: issue, commit, wait. Shared memory is given by 64-bit descriptors. Our tiles are "K-major, 128-byte
 // swizzle": a row holds 64 halves of K, rows come in groups of 8 (1024 bytes apart), and 16-byte chunk c of row r sits
 // at chunk c ^ (r % 8), so a group's rows spread over all banks. The hardware XORs the address bits alike: tiles start
@@ -621,13 +601,6 @@ template <int N> __device__ __forceinline__ void wgmma(float (&d)[N / 2], unsign
                      "%40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, "
                      "%59, %60, %61, %62, %63", "%64", "%65")
                      : ACC8(0), ACC8(8), ACC8(16), ACC8(24), ACC8(32), ACC8(40), ACC8(48), ACC8(56) : "l"(a), "l"(b));
-    else if constexpr (N == 144)
-        asm volatile(WGMMA_ASM(144,
-                     "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, "
-                     "%21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, "
-                     "%40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, "
-                     "%59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71", "%72", "%73")
-                     : ACC8(0), ACC8(8), ACC8(16), ACC8(24), ACC8(32), ACC8(40), ACC8(48), ACC8(56), ACC8(64) : "l"(a), "l"(b));
     else static_assert(N == 0, "no wgmma wrapper for this tile width");
 #else
     __trap();
@@ -651,16 +624,16 @@ template <int N> __device__ __forceinline__ void wgmma_commit_and_wait() {  // a
 // 2*M*N*K FLOPs over (M*K + N*K + M*N) * 2 bytes. A block of BM/64 warpgroups owns a BM x BN tile of y (64 x BN each);
 // K goes by 64 through a STAGES-deep cp.async pipeline (swizzled as above), STAGES - 1 tiles in flight while the tensor
 // cores chew on one. Tiles filling the SMs (prefill): 3 stages let two blocks share an SM, one computing while the other
-// waits; 144 wide where that takes fewer rounds (2048 x 2304: 256 tiles of 144 fill the 2 x 132 block slots at once, 288
-// of 128 take two). Fewer tiles than SMs: 4 or 8 stages, one wgmma group left running across the barrier. Decode
-// batches of 9-512 rows: 64-row tiles, 8 stages, 32 wide while those fill at most two blocks per SM (more tiles of fewer
-// k-steps finish sooner, as in cuBLAS); K split over blockIdx.z as in matmul_skinny. Each thread copies one 16-byte
-// chunk of every (threads/8)-th row, which the swizzle lands at the same column of each: a constant stride apart. Rows
-// past M, N and chunks past K are zero-filled (K % 8 == 0 suffices).
+// waits. Fewer tiles than SMs: 4 or 8 stages, one wgmma group left running across the barrier. Decode batches of 9-512
+// rows: 64-row tiles, 8 stages, 32 wide while those fill at most two blocks per SM (more tiles of fewer k-steps finish
+// sooner, as in cuBLAS); K split over blockIdx.z as in matmul_skinny. Each thread copies one 16-byte chunk of every
+// (threads/8)-th row, which the swizzle lands at the same column of each: a constant stride apart. Rows past M, N and
+// chunks past K are zero-filled (K % 8 == 0 suffices). int8 weights come dequantized (unscaled), the scale in the epilogue.
 template <int BM, int BN, int STAGES>
 __global__ void __launch_bounds__(BM * 2, 256 / BM) matmul_tc(
-    const half* x, const half* __restrict__ w, const half* __restrict__ bias, const half* residual, void* __restrict__ y,
-    int M, int N, int K, int gelu, int y_f32, int k_per_split, float* partial, int* counters) {
+    const half* x, const half* __restrict__ w, const float* __restrict__ scale, const half* __restrict__ bias,
+    const half* residual, void* __restrict__ y, int M, int N, int K, int gelu, int y_f32, int k_per_split,
+    float* partial, int* counters) {
     constexpr int BK = 64, THREADS = BM * 2, RSTEP = THREADS / 8;
     constexpr int A_BYTES = BM * BK * 2, STAGE_BYTES = (BM + BN) * BK * 2;
     extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -673,8 +646,7 @@ __global__ void __launch_bounds__(BM * 2, 256 / BM) matmul_tc(
     auto load_x = [&](int stage, int kt) {
         const int k = (kt0 + kt) * BK + col * 8;
         const unsigned base = smem + stage * STAGE_BYTES + dst;
-#pragma unroll
-        for (int i = 0; i < BM / RSTEP; i++) {
+        UNROLL for (int i = 0; i < BM / RSTEP; i++) {
             int row = m0 + r0 + i * RSTEP;
             bool ok = row < M && k < K;
             cp_async16(base + i * RSTEP * 128, x + (ok ? (long)row * K + k : 0), ok);
@@ -683,9 +655,7 @@ __global__ void __launch_bounds__(BM * 2, 256 / BM) matmul_tc(
     auto load_w = [&](int stage, int kt) {
         const int k = (kt0 + kt) * BK + col * 8;
         const unsigned base = smem + stage * STAGE_BYTES + dst;
-#pragma unroll
-        for (int i = 0; i < (BN + RSTEP - 1) / RSTEP; i++) {
-            if (BN % RSTEP && r0 + i * RSTEP >= BN) break;  // BN = 144: the last 16 rows, by half the threads
+        UNROLL for (int i = 0; i < BN / RSTEP; i++) {
             int row = n0 + r0 + i * RSTEP;
             bool ok = row < N && k < K;
             cp_async16(base + A_BYTES + i * RSTEP * 128, w + (ok ? (long)row * K + k : 0), ok);
@@ -703,8 +673,7 @@ __global__ void __launch_bounds__(BM * 2, 256 / BM) matmul_tc(
     }
     const int wg = tid / 128;
     float acc[BN / 2];  // y[m][n] for m = 16 * warp + lane / 4 (+8), n = 8 j + 2 (lane % 4) (+1): acc[4 j + ...]
-#pragma unroll
-    for (int i = 0; i < BN / 2; i++) acc[i] = 0.f;
+    UNROLL for (int i = 0; i < BN / 2; i++) acc[i] = 0.f;
     for (int kt = 0; kt < ktiles; kt++) {
         cp_async_wait<AHEAD - 1>();
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // cp.async's writes, visible to wgmma's reads
@@ -717,8 +686,7 @@ __global__ void __launch_bounds__(BM * 2, 256 / BM) matmul_tc(
         const unsigned a = smem + (kt % STAGES) * STAGE_BYTES + wg * 64 * 128;  // this warpgroup's 64 rows of x
         const unsigned b = smem + (kt % STAGES) * STAGE_BYTES + A_BYTES;        // the BN rows of w
         wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < BK; kk += 16) {
+        UNROLL for (int kk = 0; kk < BK; kk += 16) {
             wgmma<BN>(acc, smem_desc(a + kk * 2), smem_desc(b + kk * 2));
         }
         wgmma_commit_and_wait<LAG>();
@@ -734,14 +702,12 @@ __global__ void __launch_bounds__(BM * 2, 256 / BM) matmul_tc(
     __syncthreads();
     float* tile = reinterpret_cast<float*>(smem_raw + (smem - smem_addr(smem_raw)));  // (BM, TLD) fp32
     const int lane = tid & 31, rw = wg * 64 + (tid & 127) / 32 * 16 + (lane >> 2), cw = 2 * (lane & 3);
-#pragma unroll
-    for (int i = 0; i < BN / 2; i += 2)  // acc[4 j + 2 hf + e] is the tile's (rw + 8 hf, 8 j + cw + e)
+    UNROLL for (int i = 0; i < BN / 2; i += 2)  // acc[4 j + 2 hf + e] is the tile's (rw + 8 hf, 8 j + cw + e)
         *reinterpret_cast<float2*>(&tile[(rw + (i & 2) * 4) * TLD + (i >> 2) * 8 + cw]) = make_float2(acc[i], acc[i + 1]);
     __syncthreads();
     auto run = [&](int u, int& r, int& c) { int q = tid + u * THREADS; r = q / (BN / 4); c = q % (BN / 4) * 4; };
     if (gridDim.z > 1) {  // split-K (N % 4 == 0): leave this split's sums, and the last block adds all up
-#pragma unroll
-        for (int u = 0; u < RUNS; u++) {
+        UNROLL for (int u = 0; u < RUNS; u++) {
             int r, c;
             run(u, r, c);
             if (m0 + r < M && n0 + c < N)
@@ -750,19 +716,16 @@ __global__ void __launch_bounds__(BM * 2, 256 / BM) matmul_tc(
         }
         if (!last_to_arrive(&counters[blockIdx.y * gridDim.x + blockIdx.x], gridDim.z)) return;
         for (int sp = 0; sp < (int)gridDim.z; sp++)  // in split order, its own too: the same sum whichever block is last
-#pragma unroll
-            for (int u0 = 0; u0 < RUNS; u0 += IN_FLIGHT) {
+            UNROLL for (int u0 = 0; u0 < RUNS; u0 += IN_FLIGHT) {
                 float4 v[IN_FLIGHT];  // loads in flight at once (16 would spill)
-#pragma unroll
-                for (int u = 0; u < IN_FLIGHT; u++) {
+                UNROLL for (int u = 0; u < IN_FLIGHT; u++) {
                     int r, c;
                     run(u0 + u, r, c);
                     bool ok = m0 + r < M && n0 + c < N;
                     v[u] = ok ? __ldcg(reinterpret_cast<const float4*>(&partial[((long)sp * M + m0 + r) * N + n0 + c]))
                               : make_float4(0.f, 0.f, 0.f, 0.f);
                 }
-#pragma unroll
-                for (int u = 0; u < IN_FLIGHT; u++) {  // each thread adds to its own runs only: no barrier needed
+                UNROLL for (int u = 0; u < IN_FLIGHT; u++) {  // each thread adds to its own runs only: no barrier needed
                     int r, c;
                     run(u0 + u, r, c);
                     float4* s = reinterpret_cast<float4*>(&tile[r * TLD + c]);
@@ -778,8 +741,7 @@ __global__ void __launch_bounds__(BM * 2, 256 / BM) matmul_tc(
         const int row = m0 + r, col = n0 + c;
         if (row >= M || col >= N) continue;
         float v[4];
-#pragma unroll
-        for (int e = 0; e < 4; e++) v[e] = col + e < N ? epilogue(tile[r * TLD + c + e], bias, residual, gelu, row, col + e, N) : 0.f;
+        UNROLL for (int e = 0; e < 4; e++) v[e] = col + e < N ? epilogue(tile[r * TLD + c + e], scale, bias, residual, gelu, row, col + e, N) : 0.f;
         if (!y_f32 && N % 4 == 0) {  // 4 halves, one 8-byte store
             half2 h[2] = {__floats2half2_rn(v[0], v[1]), __floats2half2_rn(v[2], v[3])};
             *reinterpret_cast<uint2*>(reinterpret_cast<half*>(y) + (long)row * N + col) = *reinterpret_cast<uint2*>(h);
@@ -855,10 +817,8 @@ extern "C" __global__ void __launch_bounds__(128) attention_prefill(
         const half *ks = Ks[kt & 1], *vs = Vs[kt & 1];
 
         float sc[8][4] = {};  // S for this warp's 16 queries x 64 keys
-#pragma unroll
-        for (int d = 0; d < 4; d++)
-#pragma unroll
-            for (int np = 0; np < 4; np++) {
+        UNROLL for (int d = 0; d < 4; d++)
+            UNROLL for (int np = 0; np < 4; np++) {
                 unsigned r[4];
                 ldmatrix_x4(r, smem_addr(&ks[(np * 16 + (lane & 7) + ((lane >> 4) << 3)) * LD + d * 16 + ((lane >> 3) & 1) * 8]));
                 unsigned b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
@@ -866,14 +826,11 @@ extern "C" __global__ void __launch_bounds__(128) attention_prefill(
                 mma16816(sc[2 * np + 1], qf[d], b1);
             }
         // causal mask and online softmax (log2 domain); this thread holds query rows g and g+8
-#pragma unroll
-        for (int hf = 0; hf < 2; hf++) {
+        UNROLL for (int hf = 0; hf < 2; hf++) {
             const int pos = pos0 + warp * 16 + g + hf * 8;
             float mx = m[hf];
-#pragma unroll
-            for (int nt = 0; nt < 8; nt++)
-#pragma unroll
-                for (int e = 0; e < 2; e++) {
+            UNROLL for (int nt = 0; nt < 8; nt++)
+                UNROLL for (int e = 0; e < 2; e++) {
                     int j = kt * BKV + nt * 8 + 2 * t + e;
                     float v = j > pos ? NEG_INF : sc[nt][2 * hf + e] * scale_log2;
                     sc[nt][2 * hf + e] = v;
@@ -885,24 +842,19 @@ extern "C" __global__ void __launch_bounds__(128) attention_prefill(
             const float corr = exp2f(m[hf] - mx);
             m[hf] = mx;
             l[hf] *= corr;
-#pragma unroll
-            for (int dt = 0; dt < 8; dt++) { o[dt][2 * hf] *= corr; o[dt][2 * hf + 1] *= corr; }
-#pragma unroll
-            for (int nt = 0; nt < 8; nt++)
-#pragma unroll
-                for (int e = 0; e < 2; e++) {
+            UNROLL for (int dt = 0; dt < 8; dt++) { o[dt][2 * hf] *= corr; o[dt][2 * hf + 1] *= corr; }
+            UNROLL for (int nt = 0; nt < 8; nt++)
+                UNROLL for (int e = 0; e < 2; e++) {
                     float p = exp2f(sc[nt][2 * hf + e] - mx);
                     sc[nt][2 * hf + e] = p;
                     l[hf] += p;
                 }
         }
         // O += P V: the S accumulators are already laid out as the A operand (keys = k)
-#pragma unroll
-        for (int kk = 0; kk < 4; kk++) {
+        UNROLL for (int kk = 0; kk < 4; kk++) {
             unsigned pa[4] = {pack_half2(sc[2 * kk][0], sc[2 * kk][1]), pack_half2(sc[2 * kk][2], sc[2 * kk][3]),
                               pack_half2(sc[2 * kk + 1][0], sc[2 * kk + 1][1]), pack_half2(sc[2 * kk + 1][2], sc[2 * kk + 1][3])};
-#pragma unroll
-            for (int dp = 0; dp < 4; dp++) {
+            UNROLL for (int dp = 0; dp < 4; dp++) {
                 unsigned r[4];
                 ldmatrix_x4_trans(r, smem_addr(&vs[(kk * 16 + (lane & 15)) * LD + dp * 16 + (lane >> 4) * 8]));
                 unsigned b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
@@ -912,16 +864,14 @@ extern "C" __global__ void __launch_bounds__(128) attention_prefill(
         }
         __syncthreads();  // the next iteration refills the buffer just read
     }
-#pragma unroll
-    for (int hf = 0; hf < 2; hf++) {
+    UNROLL for (int hf = 0; hf < 2; hf++) {
         float sum = l[hf];
         sum += __shfl_xor_sync(FULL_MASK, sum, 1);
         sum += __shfl_xor_sync(FULL_MASK, sum, 2);
         const int qi = q0 + warp * 16 + g + hf * 8;
         if (qi >= n_q) continue;
         half* dst = out + ((long)(q_begin + qi) * H + h) * D + 2 * t;
-#pragma unroll
-        for (int dt = 0; dt < 8; dt++)
+        UNROLL for (int dt = 0; dt < 8; dt++)
             *reinterpret_cast<half2*>(dst + dt * 8) = __floats2half2_rn(o[dt][2 * hf] / sum, o[dt][2 * hf + 1] / sum);
     }
 }
@@ -989,21 +939,6 @@ __device__ __forceinline__ float race_noise(unsigned long long key, int token) {
     return -lg2_approx(d < 0.0625f ? series : -lg2_approx(u));
 }
 
-template <typename T, typename Op> __device__ T warp_reduce(T v, Op op) {
-    for (int off = 16; off > 0; off >>= 1) v = op(v, __shfl_xor_sync(FULL_MASK, v, off));
-    return v;
-}
-template <typename T, typename Op> __device__ T block_reduce(T v, Op op) {  // every thread gets op over the block
-    __shared__ T scratch[32];
-    v = warp_reduce(v, op);
-    __syncthreads();  // a previous call's readers are done with the scratch
-    if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
-    __syncthreads();
-    v = scratch[0];
-    for (int w = 1; w < (int)(blockDim.x >> 5); w++) v = op(v, scratch[w]);  // the same order in every thread
-    return v;
-}
-template <typename T> __device__ T block_sum(T v) { return block_reduce(v, [](T a, T b) { return a + b; }); }
 __device__ __forceinline__ unsigned long long warp_max(unsigned long long v) {  // two redux.sync, not 10 shuffles
     const unsigned hi = __reduce_max_sync(FULL_MASK, (unsigned)(v >> 32));
     return (unsigned long long)hi << 32 | __reduce_max_sync(FULL_MASK, (unsigned)(v >> 32) == hi ? (unsigned)v : 0u);
@@ -1118,36 +1053,30 @@ extern "C" __global__ void __launch_bounds__(256) sample_pass(
     const int first = w * 512 + lane;
     const float* in = logits + (long)r * V;
     float v[16];
-#pragma unroll
-    for (int j = 0; j < 16; j++) v[j] = first + 32 * j < V ? in[first + 32 * j] : NEG_INF;
+    UNROLL for (int j = 0; j < 16; j++) v[j] = first + 32 * j < V ? in[first + 32 * j] : NEG_INF;
     Filters f = row_filters(r, V, temperature, top_k, top_p, min_p, seed, token_index);  // (its loads with the row's)
     unsigned long long top = 0;
-#pragma unroll
-    for (int j = 0; j < 16; j++) top = max(top, ranked(v[j], first + 32 * j));
+    UNROLL for (int j = 0; j < 16; j++) top = max(top, ranked(v[j], first + 32 * j));
     WarpSummary s = {warp_max(top), 0ull, 0.f, NEG_INF};
     f.m = key_float((unsigned)(s.top >> 32));  // the warp's max
     if (f.T > 0.f && f.m != NEG_INF && f.top_k == 0) {  // race every token: the answer unless a filter rejects it
         unsigned long long best = 0;
-#pragma unroll
-        for (int j = 0; j < 16; j++) best = max(best, f.race(v[j], first + 32 * j));  // -inf: a score of -inf
+        UNROLL for (int j = 0; j < 16; j++) best = max(best, f.race(v[j], first + 32 * j));  // -inf: a score of -inf
         s.race = warp_max(best);
     }
     if (f.T > 0.f && f.m != NEG_INF && !f.races_all()) {
         if (f.top_k == 0 && f.top_p < 1.f) {
             float sum = 0.f;
-#pragma unroll
-            for (int j = 0; j < 16; j++) sum += f.prob(v[j]);
+            UNROLL for (int j = 0; j < 16; j++) sum += f.prob(v[j]);
             s.sumexp = warp_sum(sum);
         }
         auto count = [&](float t) {
             int n = 0;
-#pragma unroll
-            for (int j = 0; j < 16; j++) n += v[j] >= t;
+            UNROLL for (int j = 0; j < 16; j++) n += v[j] >= t;
             return (int)__reduce_add_sync(FULL_MASK, n);
         };
         unsigned least = ~0u;  // the cut: bisect until 8-16 logits are >= lo, from the least finite one
-#pragma unroll
-        for (int j = 0; j < 16; j++) if (v[j] != NEG_INF) least = min(least, order_key(v[j]));
+        UNROLL for (int j = 0; j < 16; j++) if (v[j] != NEG_INF) least = min(least, order_key(v[j]));
         float lo = key_float(__reduce_min_sync(FULL_MASK, least)), hi = key_float(order_key(f.m) + 1);
         int n_lo = count(lo);
         for (int i = 0; i < 24 && n_lo > SAMPLE_CAP && order_key(hi) - order_key(lo) > 1; i++) {
@@ -1157,8 +1086,7 @@ extern "C" __global__ void __launch_bounds__(256) sample_pass(
         }
         const float cut = n_lo <= SAMPLE_CAP ? lo : hi;  // hi: fewer than SAMPLE_MIN (ties), never more than the cap
         unsigned mine = 0, kept_back = 0;  // this lane's candidates, a bit each; the order key of its largest other
-#pragma unroll
-        for (int j = 0; j < 16; j++) {
+        UNROLL for (int j = 0; j < 16; j++) {
             if (v[j] >= cut) mine |= 1u << j;
             else kept_back = max(kept_back, order_key(v[j]));
         }
@@ -1197,8 +1125,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_pick(
     const bool has = tid < W;
     const WarpSummary mine = has ? summary[(long)r * W + tid] : WarpSummary{0ull, 0ull, 0.f, NEG_INF};
     unsigned long long cand[LOADS];
-#pragma unroll
-    for (int j = 0; j < LOADS; j++) {
+    UNROLL for (int j = 0; j < LOADS; j++) {
         const int i = tid + j * SAMPLE_THREADS;
         cand[j] = i < W * SAMPLE_CAP ? __ldcg(&candidates[(long)r * W * SAMPLE_CAP + i]) : 0ull;
     }
@@ -1228,8 +1155,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_pick(
     if (tid == 0) filled = 0;
     __syncthreads();
     unsigned long long in_head = 0, above_won = 0;  // the head's mass, and its mass above the race's winner
-#pragma unroll
-    for (int j = 0; j < LOADS; j++) {
+    UNROLL for (int j = 0; j < LOADS; j++) {
         const float x = key_float((unsigned)(cand[j] >> 32));
         if (cand[j] && x > bound && x >= floor) {
             head[atomicAdd(&filled, 1)] = cand[j];
@@ -1297,8 +1223,9 @@ extern "C" __global__ void decode_advance(const int* tokens, int* input_ids, int
 #else
 #define INSTANTIATE(...)
 #endif
-INSTANTIATE(matmul_tc<128,128,3>) INSTANTIATE(matmul_tc<128,144,3>) INSTANTIATE(matmul_tc<128,128,4>)
-INSTANTIATE(matmul_tc<64,128,3>) INSTANTIATE(matmul_tc<64,128,8>) INSTANTIATE(matmul_tc<64,32,8>)
-INSTANTIATE(matmul_gemv<4>) INSTANTIATE(matmul_gemv<8>)
+INSTANTIATE(matmul_tc<128,128,3>) INSTANTIATE(matmul_tc<128,128,4>) INSTANTIATE(matmul_tc<64,128,3>)
+INSTANTIATE(matmul_tc<64,128,8>) INSTANTIATE(matmul_tc<64,32,8>)
+INSTANTIATE(matmul_gemv<half,4>) INSTANTIATE(matmul_gemv<half,8>) INSTANTIATE(matmul_gemv<i8,4>) INSTANTIATE(matmul_gemv<i8,8>)
+INSTANTIATE(matmul_skinny<half>) INSTANTIATE(matmul_skinny<i8>) INSTANTIATE(dequantize<half>) INSTANTIATE(dequantize<float>)
 INSTANTIATE(embed<float>) INSTANTIATE(cache_write<float>) INSTANTIATE(layernorm<float>) INSTANTIATE(attention_decode<float>)
 INSTANTIATE(embed<half>) INSTANTIATE(cache_write<half>) INSTANTIATE(layernorm<half>) INSTANTIATE(attention_decode<half>)

@@ -228,8 +228,8 @@ class GPT:
     """GPT-2's forward pass, written once against the backend's op set."""
     def __init__(self, config, weights, backend, n_vocab=None):
         self.config, self.backend = config, backend
-        self.w = {name: Int8Weight(*map(backend.asarray, a)) if isinstance(a, Int8Weight) else backend.asarray(a)
-                  for name, a in weights.items()}
+        self.w = {name: Int8Weight(backend.asarray(a.q), backend.asarray(a.scale, np.float32))
+                  if isinstance(a, Int8Weight) else backend.asarray(a) for name, a in weights.items()}
         # the lm_head is the embedding (tied) unless the checkpoint has its own (or int8 made one); an embedding
         # padded past the tokenizer's n_vocab tokens (nanoGPT's 50304) keeps its padding rows out of the logits
         head = self.w.get("lm_head.weight", self.w["wte.weight"])
@@ -448,8 +448,6 @@ class LLM:
         self.tokenizer = Tokenizer(path, c.vocab_size)
         self.backend = make_backend(device, dtype)
         self.backend.check_model(c)
-        if quantization and self.backend.name != "cpu":
-            raise ValueError("quantization='int8' runs on the numpy backend only, for now: use device='cpu'")
         # the lessons' switches: fusion, dependent launches; and outputs bitwise the same solo, batched, chunked or
         # preempted (every reduction row by row, in a fixed order)
         self.backend.fused, self.backend.dependent_launches, self.backend.batch_invariant = (

@@ -49,7 +49,7 @@ def main():
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                     help="auto: the GPU if CuPy sees one, else the CPU")
     ap.add_argument("--dtype", default=None, choices=["float16", "float32"], help="default: fp16 on GPU, fp32 on CPU")
-    ap.add_argument("--quantization", choices=["int8"], help="weight-only int8 (W8A16; the CPU backend only, so far)")
+    ap.add_argument("--quantization", choices=["int8"], help="weight-only int8 (W8A16): one scale per output channel, quantized at load")
     ap.add_argument("--speculative-config", type=json_object, metavar="JSON", help='speculative decoding (no token '
                     'changes): {"method": "ngram", "num_speculative_tokens": 3} or {"model": "distilgpt2", '
                     '"num_speculative_tokens": 3}')

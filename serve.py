@@ -495,7 +495,7 @@ def main():
                     "default: 256")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="the fraction of the GPU's memory the "
                     "engine may fill, the KV cache taking what the weights leave; default: 0.9")
-    ap.add_argument("--quantization", choices=["int8"], help="weight-only int8 (W8A16; the CPU backend only, so far)")
+    ap.add_argument("--quantization", choices=["int8"], help="weight-only int8 (W8A16): one scale per output channel, quantized at load")
     ap.add_argument("--speculative-config", type=json_object, help='speculative decoding, as JSON: {"method": '
                     '"ngram", "num_speculative_tokens": 3} (prompt_lookup_max, prompt_lookup_min too), or a draft '
                     'model: {"model": "gpt2", "num_speculative_tokens": 3}')

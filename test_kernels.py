@@ -9,6 +9,7 @@ The plans (plan_matmul) are plain Python and run without a GPU; everything else 
 The engine tests on CUDA hold its speed tricks (CUDA graphs, dependent launches, multi-step decoding, admission by
 groups, fused epilogues) to the tokens of the plain way. The sampler's kernel has test_sampler.py.
 """
+import itertools
 import math
 
 import numpy as np
@@ -17,6 +18,7 @@ import pytest
 import cuda_backend
 import graph_runner
 import nanoinfer as ni
+from checkpoint import Int8Weight, quantize_int8
 from conftest import HERE, NO_GPU, _run_py, greedy, heads, make_batch, penalty_case, random_ids, rounded
 from cuda_backend import CudaBackend
 from nanoinfer import LLM, NumpyBackend, SamplingParams
@@ -68,15 +70,17 @@ def test_matmul_plan_for_every_gpt2_shape(C):
     rows than it handles (the lm_head), up to 8 rows the skinny kernel, more the tensor-core tiles; the grid covers
     y, the split covers K in whole 64-wide chunks, and the split-K scratch and shared memory suffice."""
     sms = 132
-    for M in (1, 2, 8, 9, 64, 256, 2048, 8192):
+    for M, int8 in itertools.product((1, 2, 8, 9, 64, 256, 2048, 8192), (False, True)):
         for N, K, ln in ((3 * C, C, True), (C, C, False), (4 * C, C, True), (C, 4 * C, False), (50257, C, True)):
-            p = cuda_backend.plan_matmul(M, N, K, ln, np.float16, sms)
+            p = cuda_backend.plan_matmul(M, N, K, ln, np.float16, sms, int8=int8)
             kind = p.kernel.split("<")[0]
             assert kind == ("matmul_gemv" if M == 1 and N <= 16384 else "matmul_skinny" if M <= 8 else "matmul_tc"), \
                 (M, N, K, p)
             assert p.ln_fused == (ln and kind == "matmul_gemv")
-            if kind == "matmul_gemv":
+            assert p.dequantize == (int8 and kind == "matmul_tc") and ("<i8" in p.kernel) == (int8 and not p.dequantize)
+            if kind == "matmul_gemv":  # every warp as many rows, all blocks on the SMs at once
                 assert p.grid[0] <= 2 * sms and p.shared_mem == 2 * K
+                assert (p.grid[0] - 1) * 8 * p.rows_per_warp < N <= p.grid[0] * 8 * p.rows_per_warp
                 continue
             bm, bn = (16, 16) if kind == "matmul_skinny" else map(int, p.kernel[10:-1].split(",")[:2])
             assert p.grid[0] * bn >= N and (kind == "matmul_skinny" or p.grid[1] * bm >= M)
@@ -84,8 +88,8 @@ def test_matmul_plan_for_every_gpt2_shape(C):
             assert p.k_per_split % 64 == 0 and (p.splits - 1) * p.k_per_split < K <= p.splits * p.k_per_split
             assert p.splits == 1 or M * N <= cuda_backend.SPLITK_SCRATCH
             assert p.shared_mem <= 227 * 1024
-    assert cuda_backend.plan_matmul(2048, 2304, 768, False, np.float16, sms).kernel == "matmul_tc<128,144,3>"  # 1 round
     assert cuda_backend.plan_matmul(5, 768, 768, True, np.float32, sms).kernel == "matmul_f32"
+    assert cuda_backend.plan_matmul(5, 768, 768, True, np.float32, sms, int8=True).dequantize
 
 
 @pytest.mark.parametrize("C", [768, 1600])
@@ -121,6 +125,30 @@ def test_matmul(be, M, N, K, epi):
     ln_gpu = None if ln is None else (to_gpu(ln[0], dt), to_gpu(ln[1], dt), ln[2])
     y = be.matmul(to_gpu(x, dt), to_gpu(w, dt), to_gpu(bias, dt), gelu, to_gpu(res, dt), ln=ln_gpu)
     check(y, ref.matmul(x, w, bias, gelu, res, ln=ln), dt, f"matmul M={M} N={N} K={K} {epi}")
+
+
+@NO_GPU
+@pytest.mark.parametrize("M", [1, 3, 8, 17, 200])
+@pytest.mark.parametrize("N,K,epi", [(2304 + 40, 784, "all"), (768, 3072, "bias_residual"), (6400, 1600, "ln_all"),
+                                     (50257, 768, "ln")])
+def test_int8_matmul(be, M, N, K, epi):
+    """W8A16 (quantization='int8'): int8 rows with a float32 scale each, against the numpy twin (x @ q.T, then the
+    scale) in float64: the gemv and the skinny kernel read int8 as it is, matmul_tc and matmul_f32 get it dequantized,
+    every one scales in its epilogue; the layernorm in front and the epilogue as in test_matmul."""
+    dt = be.dtype.type
+    x = rounded(rng.standard_normal((M, K)) * 2 + 0.5, dt)
+    q8 = quantize_int8(rng.standard_normal((N, K)).astype(np.float32) / math.sqrt(K))
+    bias = rounded(rng.standard_normal(N), dt) if epi != "ln" else None
+    res = rounded(rng.standard_normal((M, N)), dt) if epi in ("bias_residual", "all", "ln_all") else None
+    gelu = epi in ("all", "ln_all")
+    ln = (rounded(rng.standard_normal(K), dt), rounded(rng.standard_normal(K), dt), 1e-5) if "ln" in epi else None
+    ln_gpu = None if ln is None else (to_gpu(ln[0], dt), to_gpu(ln[1], dt), ln[2])
+    w = Int8Weight(cp.asarray(q8.q), cp.asarray(q8.scale))
+    y = be.matmul(to_gpu(x, dt), w, to_gpu(bias, dt), gelu, to_gpu(res, dt), ln=ln_gpu)
+    want = ref.matmul(x, Int8Weight(q8.q, q8.scale.astype(np.float64)), bias, gelu, res, ln=ln)
+    check(y, want, dt, f"int8 matmul M={M} N={N} K={K} {epi}")
+    again = be.matmul(to_gpu(x, dt), w, to_gpu(bias, dt), gelu, to_gpu(res, dt), ln=ln_gpu)
+    assert cp.array_equal(y, again), "int8 matmul: a second run differs"
 
 
 @NO_GPU
