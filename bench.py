@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from checkpoint import SIZES, resolve_model
-from nanoinfer import LLM, SamplingParams
+from nanoinfer import LLM, Batch, SamplingParams
 from paged_kv import PagedKVCache
 from roofline import Roofline, bench_kernels, print_matmul_plans
 
@@ -121,6 +121,41 @@ def speculation_lesson(points, repeats, **engine):
         del llms
         gc.collect()
     return "; ".join(out)
+
+
+def weight_bytes(model):
+    """Bytes of weights a decode step reads: each matmul's and the lm_head's once (int8: with a scale a row); of the
+    embeddings only a row each."""
+    ws = {**model.w, "lm_head.weight": model.lm_head}
+    return sum(sum(a.nbytes for a in w) if isinstance(w, tuple) else w.nbytes
+               for name, w in ws.items() if name not in ("wte.weight", "wpe.weight"))
+
+
+def quantization_lesson(size, model, copy_gbs, workloads, repeats, **engine):
+    """quantization='int8' (W8A16) against fp16, an engine each, alternating (a_against_b): tok/s, beside the bytes of
+    weights a decode step reads and the tok/s they allow at the copy ceiling; and what int8 costs against fp16 along
+    fp16's greedy continuation of the first workload's prompt: greedy tokens that agree, the largest logit error (of
+    max|logit|) and the mean KL divergence of the next-token distributions (teacher-forced)."""
+    llms = {q: LLM(str(model), quantization=q, **engine) for q in ("int8", None)}
+    timing = a_against_b(*(lambda p, n, llm=llm: time_generate(llm, p, n)[0] for llm in llms.values()), workloads,
+                         repeats)
+    prompt = workloads[0][1][:1]
+    outs = {q: llm.generate(prompt, greedy(128), use_tqdm=False)[0] for q, llm in llms.items()}
+    ids = outs[None].prompt_token_ids + outs[None].outputs[0].token_ids
+    n, i32 = len(ids), lambda a: np.asarray(a, np.int32)
+    batch = Batch(i32(ids), i32(range(n)), i32(range(n)), i32([0, n]), i32([n]), i32([range(-(-n // 16))]),
+                  i32(range(n)))  # the prompt and its continuation, in the first free slots of each engine's pool
+    lp = {q: llm.backend.tohost(llm.model.forward(batch, llm.kv)).astype(np.float64) for q, llm in llms.items()}
+    lp = {q: a - a.max(-1, keepdims=True) - np.log(np.exp(a - a.max(-1, keepdims=True)).sum(-1, keepdims=True))
+          for q, a in lp.items()}  # log-softmax
+    kl = float((np.exp(lp[None]) * (lp[None] - lp["int8"])).sum(-1).mean())
+    err = np.abs(lp["int8"] - lp[None]).max() / np.abs(lp[None]).max()
+    agree = np.mean([a == b for a, b in zip(*(o.outputs[0].token_ids for o in outs.values()))])
+    step = {q: weight_bytes(llm.model) for q, llm in llms.items()}
+    return (f"{size}: {timing} tok/s (int8 against fp16); a step reads {step['int8'] / 1e6:,.0f} MB of weights against "
+            f"{step[None] / 1e6:,.0f} (floors at the copy ceiling {copy_gbs * 1e9 / step['int8']:,.0f} and "
+            f"{copy_gbs * 1e9 / step[None]:,.0f} tok/s); against fp16: greedy tokens agree {agree:.0%}, largest "
+            f"log-prob error {err:.3f} of max, mean KL {kl:.2e}")
 
 
 def stage(what):
@@ -343,13 +378,20 @@ def bench_gpu(path, repeats):
     gc.collect()
     # gpt2-xl: every weight read once per token sets its floor
     xl = LLM("random:gpt2-xl", device="cuda", gpu_memory_utilization=0.3)
-    floor = Roofline(xl.backend).copy_gbs * 1e9 / sum(w.nbytes for w in xl.model.w.values())
-    lessons["gpt2-xl weight-bandwidth floor (tok/s)"] = floor
+    copy_gbs = Roofline(xl.backend).copy_gbs
+    floor = lessons["gpt2-xl weight-bandwidth floor (tok/s)"] = copy_gbs * 1e9 / weight_bytes(xl.model)
     xl_tps, lo, hi = repeated(xl, one, 128, repeats)
     rows.append(dict(workload="gpt2-xl single stream", ours=xl_tps, low=lo, high=hi,
                      anchor=1e3 / torch_graph_decode("gpt2-xl", 1, 320), anchor_name="PyTorch CUDA-graph step",
                      target=0.6 * floor))
+    del xl
+    gc.collect()
     cp.get_default_memory_pool().free_all_blocks()
+    lessons["int8 weights (quantization='int8', W8A16) against fp16"] = "; ".join([
+        quantization_lesson("gpt2", path, copy_gbs, [("single stream", one, 256), ("offline", prompts, lens)], repeats,
+                            device="cuda", gpu_memory_utilization=0.2),
+        quantization_lesson("gpt2-xl", "random:gpt2-xl", copy_gbs, [("single stream", one, 128)], repeats,
+                            device="cuda", gpu_memory_utilization=0.2)])
     return rows, lessons
 
 
