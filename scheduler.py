@@ -1,4 +1,5 @@
-"""Continuous batching: which sequences run in the next engine step, and how many tokens each.
+"""Continuous batching: which sequences run in the next engine step, and how many tokens each. A Sequence is one
+sample of a Request (its n samples share the prompt's blocks).
 
 Static batching runs a batch until its longest request is done, so the GPU idles on finished rows. Here a
 request joins when there is room and leaves the moment it finishes; every step is one flat run of tokens
@@ -16,7 +17,7 @@ waits first in line, to be recomputed from its tokens (prompt + output so far): 
 import codecs
 from collections import deque
 
-from sampling_params import TextDelta
+from sampling_params import CompletionOutput, RequestOutput, TextDelta
 
 
 class Sequence:
@@ -140,6 +141,53 @@ class Sequence:
         first, self.num_tokens_streamed = self.num_tokens_streamed, self.num_output
         return TextDelta(text, self.token_ids[len(self.prompt_token_ids) + first:],
                          None if self.logprobs is None else self.logprobs[first:])
+
+
+class Request:
+    """A prompt and its SamplingParams: n sequences (samples), the outbox their events go to. The first sequence
+    prefills the prompt; the others start once it is in the KV cache, sharing its full blocks (fork)."""
+    def __init__(self, request_id, prompt, seqs, outbox):
+        self.request_id, self.prompt, self.seqs, self.outbox = request_id, prompt, seqs, outbox
+        self.unforked = seqs[1:]  # samples waiting for the first one's prompt
+
+    def fork(self, kv, scheduler):
+        """Once the first sequence has its prompt in the cache (it samples now), the other samples start: each shares
+        the prompt's full blocks, and computes again only the last, partial one (at least the prompt's last token,
+        whose logits it samples from), so n samples cost one prompt's KV and one prefill."""
+        first = self.seqs[0]
+        shared = (len(first.prompt_token_ids) - 1) // kv.block_size
+        for sample in self.unforked:
+            kv.share(first.seq_id, sample.seq_id, shared)
+            sample.num_computed = shared * kv.block_size
+            scheduler.add(sample)
+        self.unforked = []
+
+    def finish(self, reason, error, scheduler, seq=None):
+        """End seq (None: every unfinished sample); if it is the first sample, those still waiting for its prompt too
+        (they would never start). Returns the sequences it ended."""
+        ended = [s for s in self.seqs if not s.finish_reason and
+                 (seq is None or s is seq or seq.index == 0 and s in self.unforked)]
+        if seq is None or seq.index == 0:
+            self.unforked = []
+        for s in ended:
+            scheduler.remove(s)
+            s.finish(reason, error)
+        return ended
+
+    @property
+    def finished(self):
+        return all(seq.finish_reason for seq in self.seqs)
+
+    def output(self):
+        def completion(s):
+            total = None if s.logprobs is None else sum(lp[t].logprob for lp, t in zip(s.logprobs, s.output_token_ids))
+            return CompletionOutput(s.index, s.text, s.output_token_ids, total, s.logprobs, s.finish_reason,
+                                    s.stop_reason)
+        return RequestOutput(self.request_id, self.prompt, self.seqs[0].prompt_token_ids,
+                             [completion(s) for s in self.seqs], self.finished,
+                             next((s.error for s in self.seqs if s.error), None), self.seqs[0].prompt_logprobs,
+                             self.seqs[0].num_cached_tokens or 0, sum(s.num_draft_tokens for s in self.seqs),
+                             sum(s.num_accepted_tokens for s in self.seqs))
 
 
 class Scheduler:
