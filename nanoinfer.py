@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+import parallel
 from checkpoint import Int8Weight, Tokenizer, load_config, load_weights, quantize_weights, resolve_model
 from paged_kv import PagedKVCache
 from sampling_params import (CompletionOutput, Logprob, Penalties, RequestOutput, SamplingParams, as_lists,  # noqa
@@ -225,9 +226,10 @@ class Batch:
 
 
 class GPT:
-    """GPT-2's forward pass, written once against the backend's op set."""
-    def __init__(self, config, weights, backend, n_vocab=None):
-        self.config, self.backend = config, backend
+    """GPT-2's forward pass, written once against the backend's op set; comm: this rank's place among tensor-parallel
+    ranks (parallel.py: its weights are its shard, and two all-reduces a layer join the ranks), Single() for none."""
+    def __init__(self, config, weights, backend, n_vocab=None, comm=parallel.Single()):
+        self.config, self.backend, self.comm = config, backend, comm
         self.w = {name: Int8Weight(backend.asarray(a.q), backend.asarray(a.scale, np.float32))
                   if isinstance(a, Int8Weight) else backend.asarray(a) for name, a in weights.items()}
         # the lm_head is the embedding (tied) unless the checkpoint has its own (or int8 made one); an embedding
@@ -241,9 +243,11 @@ class GPT:
 
     def forward_on_device(self, d, kv):
         """forward() on a batch already on the backend (what backend.to_device made of it)."""
-        be, w, c = self.backend, self.w, self.config
-        T, C, H, D = len(d.input_ids), c.n_embd, c.n_head, c.head_dim
-        h = be.embed(w["wte.weight"], w["wpe.weight"], d.input_ids, d.positions)  # (T, C) the residual stream
+        be, w, c, comm = self.backend, self.w, self.config, self.comm
+        T, D = len(d.input_ids), c.head_dim
+        H, C = c.n_head // comm.size, c.n_embd // comm.size  # this rank's heads, and their width (all of them: 1 rank)
+        lead = comm.rank == 0  # adds the biases and residuals the all-reduces sum (each once)
+        h = be.embed(w["wte.weight"], w["wpe.weight"], d.input_ids, d.positions)  # (T, n_embd) the residual stream
         for i in range(c.n_layer):
             p = f"h.{i}."
             # each residual add rides in a matmul's epilogue; in one stream's decode, each layernorm in its prologue
@@ -251,12 +255,15 @@ class GPT:
             qkv = be.matmul(h, w[p + "attn.c_attn.weight"], w[p + "attn.c_attn.bias"], ln=ln_1)  # (T, 3C)
             q, k, v = (qkv[:, j * C:(j + 1) * C].reshape(T, H, D) for j in range(3))  # (T, H, D) each
             att = be.attention(q, k, v, kv.k[i], kv.v[i], d, c.attention_scale(i)).reshape(T, C)  # caches k, v
-            h = be.matmul(att, w[p + "attn.c_proj.weight"], w[p + "attn.c_proj.bias"], residual=h)
+            h = comm.all_reduce(be.matmul(att, w[p + "attn.c_proj.weight"], w[p + "attn.c_proj.bias"] if lead else None,
+                                          residual=h if lead else None))
             f = be.matmul(h, w[p + "mlp.c_fc.weight"], w[p + "mlp.c_fc.bias"], gelu=True, ln=ln_2)  # (T, 4C)
-            h = be.matmul(f, w[p + "mlp.c_proj.weight"], w[p + "mlp.c_proj.bias"], residual=h)
-        # only the rows that sample need the last layernorm and the 50257-wide lm_head
-        rows = h if d.logits_idx is None else h[d.logits_idx]  # (R, C)
-        return be.matmul(rows, self.lm_head, ln=(w["ln_f.weight"], w["ln_f.bias"], c.eps), out_dtype=np.float32)
+            h = comm.all_reduce(be.matmul(f, w[p + "mlp.c_proj.weight"], w[p + "mlp.c_proj.bias"] if lead else None,
+                                          residual=h if lead else None))
+        # only the rows that sample need the last layernorm and the 50257-wide lm_head (gathered over the ranks)
+        rows = h if d.logits_idx is None else h[d.logits_idx]  # (R, n_embd)
+        ln_f = (w["ln_f.weight"], w["ln_f.bias"], c.eps)
+        return comm.all_gather(be.matmul(rows, self.lm_head, ln=ln_f, out_dtype=np.float32))  # (R, V)
 
 # -----------------------------------------------------------------------------
 # the engine: schedule -> batch -> run -> postprocess
@@ -394,13 +401,15 @@ class LLM:
     def __init__(self, model, device="auto", dtype=None, block_size=16, max_num_seqs=256,
                  max_num_batched_tokens=16384, num_kv_tokens=None, gpu_memory_utilization=0.9, seed=0,
                  cuda_graphs=True, fused=True, num_scheduler_steps=16, dependent_launches=True, batch_invariant=False,
-                 enable_prefix_caching=True, quantization=None, speculative_config=None):
+                 enable_prefix_caching=True, quantization=None, speculative_config=None, tensor_parallel_size=1):
         check_engine_arguments(locals())
         self.model_dir = path = resolve_model(model)
         self.config = c = load_config(path)
         self.tokenizer = Tokenizer(path, c.vocab_size)
         self.backend = make_backend(device, dtype)
         self.backend.check_model(c)
+        tp = tensor_parallel_size  # ranks, each with its share of the heads (and of every matmul): parallel.py
+        parallel.check(tp, c, self.backend)
         # the lessons' switches: fusion, dependent launches; and outputs bitwise the same solo, batched, chunked or
         # preempted (every reduction row by row, in a fixed order)
         self.backend.fused, self.backend.dependent_launches, self.backend.batch_invariant = (
@@ -411,12 +420,16 @@ class LLM:
             f"{c.n_embd} wide) from {path} in {time.perf_counter() - t0:.1f} s")
         if quantization == "int8":  # weight-only int8 (W8A16), quantized here from the checkpoint's weights
             weights = quantize_weights(weights, self.tokenizer.n_vocab)
-        self.model = GPT(c, weights, self.backend, self.tokenizer.n_vocab)
+        self.model = GPT(c, weights, self.backend, self.tokenizer.n_vocab) if tp == 1 else None
         spec = speculative_config
         draft = DraftModel(spec, self) if isinstance(spec, dict) and "model" in spec else None  # else "ngram"
         blocks = PagedKVCache.pool_blocks(c, self.backend, num_kv_tokens, gpu_memory_utilization, max_num_seqs,
                                           block_size, draft and draft.config)
-        self.kv = PagedKVCache(self.backend, c.n_layer, c.n_head, c.head_dim, blocks, block_size, enable_prefix_caching)
+        self.kv = PagedKVCache(self.backend, c.n_layer, c.n_head // tp, c.head_dim, blocks, block_size,
+                               enable_prefix_caching)  # rank 0's heads: the others' K/V in their tensors, same blocks
+        if tp > 1:  # tensor parallelism's numpy twin: a GPT a rank over its shard of the weights
+            self.model = parallel.SimulatedRanks(lambda w, comm: GPT(c, w, self.backend, self.tokenizer.n_vocab, comm),
+                                                 weights, c, self.tokenizer.n_vocab, tp, self.kv)
         log(f"KV cache: {blocks * block_size:,} tokens ({self.kv.nbytes / 2 ** 30:.2f} GiB), {blocks} blocks of "
             f"{block_size}; max_num_seqs={max_num_seqs} x n_ctx={c.n_ctx} is the most it can use")
         self.runner = ModelRunner(self.model, self.kv, cuda_graphs, num_scheduler_steps, max_num_seqs)

@@ -120,7 +120,7 @@ class RequestOutput:  # as vLLM's, and `error`: why a request failed or was refu
 def check_engine_arguments(args):
     """ValueError naming the first of LLM's arguments (its locals()) that is out of range."""
     refuse_bad("LLM", [(name, args[name], is_int(args[name], 1), "an integer >= 1") for name in (
-        "block_size", "max_num_seqs", "num_scheduler_steps", "max_num_batched_tokens")] + [
+        "block_size", "max_num_seqs", "num_scheduler_steps", "max_num_batched_tokens", "tensor_parallel_size")] + [
         ("num_kv_tokens", args["num_kv_tokens"], args["num_kv_tokens"] is None or is_int(args["num_kv_tokens"], 1),
          "None or >= 1"),
         ("gpu_memory_utilization", args["gpu_memory_utilization"], is_number(args["gpu_memory_utilization"]) and

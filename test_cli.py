@@ -177,7 +177,7 @@ def test_pip_install_gives_import_anywhere(tmp_path):
     assert r.returncode == 0, r.stderr
     assert sorted(p.name for p in site.iterdir() if p.suffix in (".py", ".cu")) == [
         "checkpoint.py", "cuda_backend.py", "engine_process.py", "graph_runner.py", "kernels.cu", "nanoinfer.py",
-        "paged_kv.py", "sample.py", "sampling_params.py", "scheduler.py", "serve.py", "speculation.py"]
+        "paged_kv.py", "parallel.py", "sample.py", "sampling_params.py", "scheduler.py", "serve.py", "speculation.py"]
     code = ("import sys, nanoinfer, cuda_backend, graph_runner, engine_process; print(nanoinfer.__file__, cuda_backend."
             f"KERNELS_CU.is_file(), [m for m, v in sys.modules.items() if (getattr(v, '__file__', '') or '').startswith({str(HERE)!r})])")
     r = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(site)}, cwd=tmp_path,

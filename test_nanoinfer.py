@@ -307,6 +307,39 @@ def test_int8_quality_against_transformers(tiny, dev):
         make_llm(tiny, CPU, quantization="int4")
 
 
+@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_tensor_parallel_changes_no_token(wide, size, quantization):
+    """tensor_parallel_size (parallel.py's numpy twin: ranks as threads over Megatron's shards, their all-reduces and
+    the lm_head's gather as barriers) against one rank, fp32: a prompt's logits within the fp32 tolerance (and
+    transformers' too, unquantized), greedy tokens equal, log-probs within tolerance, seeded samples equal, with
+    chunked prefill and a pool tight enough to preempt; each rank's KV tensors hold its heads only. A size that does
+    not divide the heads is refused."""
+    reqs = [(random_ids(int(n), seed), SamplingParams(max_tokens=12, ignore_eos=True, logprobs=2, **kw))
+            for seed, (n, kw) in enumerate([(30, dict(temperature=0)), (7, dict(temperature=0)),
+                                            (50, dict(temperature=0.9, top_k=40, seed=3)),
+                                            (19, dict(temperature=1.2, top_p=0.9, seed=4))])]
+    one, ranks = (make_llm(wide, CPU, quantization=quantization, tensor_parallel_size=tp, num_kv_tokens=160,
+                           max_num_batched_tokens=32) for tp in (1, size))
+    ids = random_ids(40, 9)
+    want, got = (Driver(llm).step([(0, ids)])[0] for llm in (one, ranks))
+    for llm in (one, ranks):
+        llm.kv.free(0)  # the driver's blocks, before the engine's sequence 0
+    assert rel_err(got, want) < TOL["float32"]
+    if quantization is None:
+        assert rel_err(got, hf_logits(wide, ids)) < TOL["float32"]
+    outs = {tp: llm.generate([p for p, _ in reqs], [q for _, q in reqs], use_tqdm=False)
+            for tp, llm in ((1, one), (size, ranks))}
+    assert ranks.scheduler.num_preemptions > 0, "the pool did not force a preemption"
+    for a, b in zip(outs[1], outs[size]):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert x.keys() == y.keys() and all(abs(x[t].logprob - y[t].logprob) < 1e-4 for t in x)
+    assert ranks.kv.k[0].shape[2] == 4 // size and all(kv.k[0].shape[2] == 4 // size for kv in ranks.model.rank_kv[1:])
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        make_llm(wide, CPU, tensor_parallel_size=3)
+
+
 @pytest.mark.parametrize("dev", EXACT_DEVICES)
 @pytest.mark.parametrize("method", ["ngram", "draft model: the target", "draft model: another"])
 def test_speculation_changes_no_token(tiny, wide, dev, method):

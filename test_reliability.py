@@ -72,7 +72,7 @@ def test_bad_sampling_values_raise(field, value):
     ("max_num_seqs", 0), ("max_num_batched_tokens", 0), ("block_size", 0), ("block_size", -4), ("block_size", 2.0),
     ("num_kv_tokens", 0), ("gpu_memory_utilization", 0), ("gpu_memory_utilization", 1.5), ("seed", -1),
     ("num_scheduler_steps", 0), ("cuda_graphs", "yes"), ("dtype", "int8"), ("device", "tpu"),
-    ("batch_invariant", 1)])
+    ("batch_invariant", 1), ("tensor_parallel_size", 0), ("tensor_parallel_size", 2.0)])
 def test_bad_engine_arguments_raise(tiny, name, value):
     """Each bad constructor argument raises ValueError naming it, before anything loads (max_num_seqs=0 once
     made generate spin forever; block_size=0 divided by zero)."""
@@ -171,6 +171,27 @@ def test_a_failed_verification_step_is_undone(tiny, dev, point, error, monkeypat
     check_undone(tiny, dev, llm, error, lambda: inject(monkeypatch, *VERIFY_POINTS[point](llm), error, 1, verifying),
                  1, monkeypatch, point)
     assert llm.speculator.proposed > 0
+
+
+@pytest.mark.parametrize("error", [Fault, KeyboardInterrupt], ids=["error", "interrupt"])
+def test_a_failed_rank_is_undone(tiny, error, monkeypatch):
+    """tensor_parallel_size=2 (the numpy twin): an exception in rank 1's forward, on its 3rd call, breaks the ranks'
+    barriers, so rank 0 does not wait for it, and the step is undone as any step is (a Ctrl-C goes on, an error ends
+    the requests it touched); afterwards the ranks run the same requests to one rank's outputs."""
+    llm = make_llm(tiny, CPU, num_kv_tokens=64, block_size=4, max_num_batched_tokens=16, tensor_parallel_size=2)
+    original, calls, error = ni.GPT.forward_on_device, [0], error("injected")
+
+    def rank_1_fails(self, *args):
+        if self.comm.rank == 1:
+            calls[0] += 1
+            if calls[0] == 3:
+                raise error
+        return original(self, *args)
+
+    def arm():
+        monkeypatch.setattr(ni.GPT, "forward_on_device", rank_1_fails)
+        return calls
+    check_undone(tiny, CPU, llm, error, arm, 3, monkeypatch, "rank 1's forward")
 
 
 def check_undone(tiny, dev, llm, error, arm, at, monkeypatch, point):
