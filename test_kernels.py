@@ -107,6 +107,17 @@ def test_batch_invariant_matmul_plan_ignores_M(C):
 
 
 # ---- matmul ---------------------------------------------------------------------------------------
+def matmul_inputs(M, N, K, epi, dt):
+    """x (M, K) and what epilogue `epi` names ("none", "bias_gelu", "bias_residual", "all", "ln", "ln_all"): bias,
+    residual, GELU, layernorm (host, and its GPU copy), rounded to dt."""
+    x = rounded(rng.standard_normal((M, K)) * 2 + 0.5, dt)
+    bias = rounded(rng.standard_normal(N), dt) if epi not in ("none", "ln") else None
+    res = rounded(rng.standard_normal((M, N)), dt) if epi in ("bias_residual", "all", "ln_all") else None
+    ln = (rounded(rng.standard_normal(K), dt), rounded(rng.standard_normal(K), dt), 1e-5) if "ln" in epi else None
+    ln_gpu = None if ln is None else (to_gpu(ln[0], dt), to_gpu(ln[1], dt), ln[2])
+    return x, bias, res, epi in ("bias_gelu", "all", "ln_all"), ln, ln_gpu
+
+
 @NO_GPU
 @pytest.mark.parametrize("M", [1, 3, 8, 17, 64, 65, 700, 1000, 4096])
 @pytest.mark.parametrize("N,K,epi", [(N, K, epi) for N, K in ((2304 + 40, 776), (768, 3072))
@@ -116,13 +127,8 @@ def test_matmul(be, M, N, K, epi):
     """y = epilogue(layernorm(x) @ w.T) with each epilogue (bias, GELU, residual) and with and without the
     layernorm in front, for decode- and prefill-sized M and N, K off the tiles."""
     dt = be.dtype.type
-    x = rounded(rng.standard_normal((M, K)) * 2 + 0.5, dt)
+    x, bias, res, gelu, ln, ln_gpu = matmul_inputs(M, N, K, epi, dt)
     w = rounded(rng.standard_normal((N, K)) / math.sqrt(K), dt)
-    bias = rounded(rng.standard_normal(N), dt) if epi not in ("none", "ln") else None
-    res = rounded(rng.standard_normal((M, N)), dt) if epi in ("bias_residual", "all", "ln_all") else None
-    gelu = epi in ("bias_gelu", "all", "ln_all")
-    ln = (rounded(rng.standard_normal(K), dt), rounded(rng.standard_normal(K), dt), 1e-5) if "ln" in epi else None
-    ln_gpu = None if ln is None else (to_gpu(ln[0], dt), to_gpu(ln[1], dt), ln[2])
     y = be.matmul(to_gpu(x, dt), to_gpu(w, dt), to_gpu(bias, dt), gelu, to_gpu(res, dt), ln=ln_gpu)
     check(y, ref.matmul(x, w, bias, gelu, res, ln=ln), dt, f"matmul M={M} N={N} K={K} {epi}")
 
@@ -136,13 +142,8 @@ def test_int8_matmul(be, M, N, K, epi):
     scale) in float64: the gemv and the skinny kernel read int8 as it is, matmul_tc and matmul_f32 get it dequantized,
     every one scales in its epilogue; the layernorm in front and the epilogue as in test_matmul."""
     dt = be.dtype.type
-    x = rounded(rng.standard_normal((M, K)) * 2 + 0.5, dt)
+    x, bias, res, gelu, ln, ln_gpu = matmul_inputs(M, N, K, epi, dt)
     q8 = quantize_int8(rng.standard_normal((N, K)).astype(np.float32) / math.sqrt(K))
-    bias = rounded(rng.standard_normal(N), dt) if epi != "ln" else None
-    res = rounded(rng.standard_normal((M, N)), dt) if epi in ("bias_residual", "all", "ln_all") else None
-    gelu = epi in ("all", "ln_all")
-    ln = (rounded(rng.standard_normal(K), dt), rounded(rng.standard_normal(K), dt), 1e-5) if "ln" in epi else None
-    ln_gpu = None if ln is None else (to_gpu(ln[0], dt), to_gpu(ln[1], dt), ln[2])
     w = Int8Weight(cp.asarray(q8.q), cp.asarray(q8.scale))
     y = be.matmul(to_gpu(x, dt), w, to_gpu(bias, dt), gelu, to_gpu(res, dt), ln=ln_gpu)
     want = ref.matmul(x, Int8Weight(q8.q, q8.scale.astype(np.float64)), bias, gelu, res, ln=ln)
