@@ -889,19 +889,14 @@ extern "C" __global__ void penalize(float* logits, int V, const int* rows, const
     *x = banned[e] ? NEG_INF : v - frequency[row] * n - (n > 0 ? presence[row] : 0.f) + bias[e];
 }
 
-// 11. sample: one token per row (nanoinfer.sample_row). Greedy: the row's first argmax. Otherwise the exponential
-// race (Gumbel-max): of the tokens temperature, top-k, top-p and min-p keep, the one with the largest logit / T +
-// gumbel(key, token), keyed by (seed, token index, token id), so that nothing else in the batch can move it. Each
-// filter is a threshold, the kept tokens {logit >= t}, so mostly only the logits near the top matter. Two kernels, as
-// flash-decoding splits a row so that batch 1 fills the GPU:
-// - sample_pass, a warp per 512 logits (99 for GPT-2): its max, its race's winner (no top-k), its sum of p (top-p
-//   alone) and, for a filtered row, its 8-16 largest logits as candidates, with the largest it kept back (its bound);
-// - sample_pick, a block a row: with no top-k, the race over every token stands if its winner is kept. Else the head,
-//   every candidate above the largest bound (so every logit above it; with top-k, only those at or above the k-th
-//   largest warp maximum, which k logits reach): where it holds the kept set, the thresholds are found in it;
-//   otherwise in the whole row (the exact way).
-// Masses are integers (p in 2^-31 units) where the pick compares them: sums the same in any order. Bytes: 4 a logit,
-// read once (the exact way: once a bisection step); a few FLOPs a logit, ~25 more a raced logit.
+// 11. sample: one token per row (nanoinfer.sample_row). Greedy: the first argmax. Otherwise the exponential race
+// (Gumbel-max): of the tokens the filters keep, the largest logit / T + gumbel(seed, token index, token id), so that
+// nothing else in the batch can move it. Each filter is a threshold (kept: logit >= t), so mostly only the top logits
+// matter. Two kernels, as flash-decoding splits a row so that batch 1 fills the GPU: sample_pass, a warp per 512
+// logits (its max, its race's winner, its sum of p, and for a filtered row its 8-16 largest logits as candidates and
+// the largest it kept back, its bound); sample_pick, a block a row (the race's winner if kept; else the thresholds
+// over the head, the candidates above every bound, where it holds the kept set; else over the whole row, the exact
+// way). Masses are integers (p in 2^-31 units): sums the same in any order. Bytes: 4 a logit, read once.
 constexpr int SAMPLE_MIN = 8, SAMPLE_CAP = 16;  // the candidates a warp of the pass hands on
 constexpr int SAMPLE_THREADS = 256, SAMPLE_HEAD = 2048;  // the pick's block, its head (W <= 128)
 
@@ -917,10 +912,8 @@ __device__ __forceinline__ unsigned long long sample_key(unsigned long long seed
     z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
     return z ^ (z >> 31);
 }
-// the race's noise in base 2: -log2(-log2(u)) = (gumbel + ln ln 2) / ln 2, gumbel = -ln(-ln(u)). A token's score,
-// logit / T + gumbel, scaled by 1 / ln 2 and shifted, is logit * log2(e) / T + this: the same race, fewer instructions.
-// The winners come from u near 1, where -log2(u) ~ (1 - u) / ln 2 is tiny and lg2.approx's absolute error (2^-22)
-// swamps it, so that those very noises come out wrong by up to whole units: there a series instead.
+// the race's noise in base 2: -log2(-log2(u)) = (gumbel + ln ln 2) / ln 2, so logit * log2(e) / T + this is the same
+// race in fewer instructions. Winners come from u near 1, where lg2.approx's absolute error (2^-22) swamps -log2(u):
 __device__ __forceinline__ float lg2_approx(float x) {  // MUFU.LG2 alone: x is never denormal here (__log2f checks)
     float y;
     asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -930,11 +923,8 @@ __device__ __forceinline__ float race_noise(unsigned long long key, int token) {
     unsigned h = (unsigned)token * 0x9E3779B1u + (unsigned)key;
     h ^= (unsigned)(key >> 32);
     h ^= h >> 16; h *= 0x85EBCA6Bu; h ^= h >> 13; h *= 0xC2B2AE35u; h ^= h >> 16;
-    // u = (h >> 9 + 0.5) / 2^23 in (0, 1): 1.mantissa - (1 - 2^-24) is exact, and cheaper than an int-to-float
-    const float u = __uint_as_float(0x3f800000u | (h >> 9)) - 0.99999994f;
-    const float d = 1.f - u;  // exact: 24 bits hold it
-    // -log2(1 - d) = log2(e) (d + d^2/2 + d^3/3 + ...): five terms below d = 1/16 (relative error < 2^-22); above,
-    // lg2.approx's 2^-22 is < 3e-6 of -log2(u)
+    const float u = __uint_as_float(0x3f800000u | (h >> 9)) - 0.99999994f;  // (h >> 9 + 0.5) / 2^23, exactly
+    const float d = 1.f - u;  // exact. -log2(1 - d) = log2(e) (d + d^2/2 + ...): five terms below d = 1/16
     const float series = d * (1.44269504f + d * (0.72134752f + d * (0.48089835f + d * (0.36067376f + d * 0.28853901f))));
     return -lg2_approx(d < 0.0625f ? series : -lg2_approx(u));
 }
@@ -943,9 +933,7 @@ __device__ __forceinline__ unsigned long long warp_max(unsigned long long v) {  
     const unsigned hi = __reduce_max_sync(FULL_MASK, (unsigned)(v >> 32));
     return (unsigned long long)hi << 32 | __reduce_max_sync(FULL_MASK, (unsigned)(v >> 32) == hi ? (unsigned)v : 0u);
 }
-struct Max64 {
-    __device__ unsigned long long operator()(unsigned long long a, unsigned long long b) const { return max(a, b); }
-};
+struct Max64 { __device__ auto operator()(unsigned long long a, unsigned long long b) const { return max(a, b); } };
 __device__ unsigned long long warp_reduce(unsigned long long v, Max64) { return warp_max(v); }  // block_max's warps
 __device__ unsigned long long block_max(unsigned long long v) { return block_reduce(v, Max64{}); }
 // (value, index) as one integer whose max is the largest value, ties to the least index: argmax in one reduction
@@ -967,16 +955,9 @@ struct Filters {  // one row's sampling parameters
 };
 __device__ Filters row_filters(int r, int V, const float* temperature, const int* top_k, const float* top_p,
                                const float* min_p, const unsigned long long* seed, const int* token_index) {
-    Filters f;
-    f.T = temperature[r];
-    f.m = NEG_INF;
-    f.inv_t = __frcp_rn(f.T);  // 1 / T rounded as the division rounds it, without the division's slow path
-    f.race_scale = 1.4426950408889634f * f.inv_t;
-    f.top_p = top_p[r];
-    f.min_p = min_p[r];
-    f.top_k = top_k[r] < V ? top_k[r] : 0;
-    f.key = sample_key(seed[r], token_index[r]);
-    return f;
+    const float inv_t = __frcp_rn(temperature[r]);  // 1 / T rounded as the division rounds it, without its slow path
+    return {temperature[r], NEG_INF, inv_t, 1.4426950408889634f * inv_t, top_p[r], min_p[r],
+            top_k[r] < V ? top_k[r] : 0, sample_key(seed[r], token_index[r])};
 }
 __device__ __forceinline__ unsigned long long fixed_p(float p) { return (unsigned)(p * 2147483648.f); }
 __device__ __forceinline__ unsigned long long top_p_target(const Filters& f, unsigned long long total) {
@@ -1035,11 +1016,9 @@ template <typename At> __device__ int sample_kept(At at, int n, const Filters& f
     return ~(unsigned)block_max(best);
 }
 
-struct WarpSummary {            // one warp's share of a row, for the row's pick
-    unsigned long long top;    // its largest logit and first index (ranked)
-    unsigned long long race;   // with no filter: its race's winner (ranked)
-    float sumexp;              // sum of exp((logit - its max) / T), for top-p alone
-    float bound;               // the largest logit it did not hand on as a candidate
+struct WarpSummary {               // one warp's share of a row, for the pick:
+    unsigned long long top, race;  // its largest logit and its race's winner (ranked)
+    float sumexp, bound;           // sum exp((logit - its max) / T), for top-p alone; the largest logit not handed on
 };
 
 // The pass: warp w of a row takes logits w * 512 + lane + 32 j, j < 16, in registers; warps alone, no block barrier
@@ -1085,24 +1064,17 @@ extern "C" __global__ void __launch_bounds__(256) sample_pass(
             if (n >= SAMPLE_MIN) { lo = t; n_lo = n; } else { hi = t; }
         }
         const float cut = n_lo <= SAMPLE_CAP ? lo : hi;  // hi: fewer than SAMPLE_MIN (ties), never more than the cap
-        unsigned mine = 0, kept_back = 0;  // this lane's candidates, a bit each; the order key of its largest other
-        UNROLL for (int j = 0; j < 16; j++) {
-            if (v[j] >= cut) mine |= 1u << j;
-            else kept_back = max(kept_back, order_key(v[j]));
-        }
-        s.bound = key_float(max(__reduce_max_sync(FULL_MASK, kept_back), order_key(NEG_INF)));
-        int place = __popc(mine);  // this lane's first slot: the lanes below's candidates (an exclusive scan)
-        for (int off = 1; off < 32; off <<= 1) {
-            const int below = __shfl_up_sync(FULL_MASK, place, off);
-            if (lane >= off) place += below;
-        }
-        place -= __popc(mine);
         unsigned long long* out = candidates + ((long)r * W + w) * SAMPLE_CAP;
-        if (lane >= __reduce_add_sync(FULL_MASK, __popc(mine)) && lane < SAMPLE_CAP) out[lane] = 0ull;  // empty slots
-        for (; mine; mine &= mine - 1) {  // read again (L1) rather than v[] at an index known only at run time
-            const int i = first + 32 * (__ffs(mine) - 1);
-            out[place++] = ranked(in[i], i);
+        unsigned kept_back = 0;  // the order key of this lane's largest logit not handed on
+        int placed = 0;          // the warp's candidates so far: slots filled in (j, lane) order
+        UNROLL for (int j = 0; j < 16; j++) {
+            const unsigned picked = __ballot_sync(FULL_MASK, v[j] >= cut);
+            if (v[j] >= cut) out[placed + __popc(picked & ((1u << lane) - 1))] = ranked(v[j], first + 32 * j);
+            else kept_back = max(kept_back, order_key(v[j]));
+            placed += __popc(picked);
         }
+        if (lane >= placed && lane < SAMPLE_CAP) out[lane] = 0ull;  // the empty slots
+        s.bound = key_float(max(__reduce_max_sync(FULL_MASK, kept_back), order_key(NEG_INF)));
     }
     if (lane == 0) summary[(long)r * W + w] = s;
 }
