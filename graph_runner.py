@@ -5,7 +5,8 @@ device arrays, and a graph records exactly that. Only nanoinfer.py imports it (f
 
 - plan_run: a run of decode steps, its KV blocks reserved up front (the GPU moves each row on by itself).
 - DecodeGraph: one decode step of up to B rows as one CUDA graph, replayed num_steps times a run.
-- PrefillGraph: one sequence's prefill of up to T tokens as one CUDA graph.
+- ChunkGraph: one sequence's chunk of up to T tokens as one CUDA graph: a lone prompt's prefill, or a decode's
+  verification chunk (its last token and its draft: speculation.py).
 - GraphRunner: which batches the graphs take, and the run launched one step ahead of the host.
 """
 import contextlib
@@ -174,25 +175,28 @@ class DecodeGraph:
         return GraphRun(self, seqs, sampling, plan.num_steps, starts, first, done)
 
 
-class PrefillGraph:
-    """One sequence's prefill of up to T tokens and the sampling of its first token, replayed from one CUDA graph.
-    Eager, a prefill launches ~100 kernels one by one from Python, which for prompts of GPT-2's sizes costs more than
-    the GPU's work: a lone request's time to first token (what a prefix-cache hit shortens) is the host's. The tokens
-    are padded to T: a pad computes at the last real position, writes no cache slot (-1), and is sampled by no one;
-    the sequence is declared T queries long, so each real query keeps its position and sees only real keys."""
-    def __init__(self, prefill_step, backend, kv, n_ctx, T, stream, pool):
-        self.T, self.stream, self.min_q = T, stream, backend.tile_min_q
+class ChunkGraph:
+    """One sequence's chunk of up to T tokens, and the sampling of its last `samples` rows, replayed from one CUDA
+    graph: a lone prompt's prefill (samples 1: its first token), or a decode's verification chunk, its last token and
+    its draft (samples T: a token at each). Eager, such a step launches ~100 kernels one by one from Python, which
+    for GPT-2's sizes costs more than the GPU's work: a lone request's time to first token (what a prefix-cache hit
+    shortens) and a speculating one's every step are the host's. The tokens are padded to T: a pad computes at the
+    last real position, writes no cache slot (-1), and samples the last real row again (its token unread); the
+    sequence is declared T queries long, so each real query keeps its position and sees only real keys."""
+    def __init__(self, chunk_step, backend, kv, n_ctx, T, samples, stream, pool):
+        self.T, self.samples, self.stream, self.min_q = T, samples, stream, backend.tile_min_q
         self.width = kv.blocks_needed(n_ctx + T)  # the pads' queries may look past the context: entries 0
         host, self.layout, _ = pack_batch(self.padded(types.SimpleNamespace(
-            input_ids=[0], positions=[0], slot_mapping=[-1], context_lens=[1], block_tables=np.zeros((1, 1)))), self.min_q)
+            input_ids=[0], positions=[0], slot_mapping=[-1], context_lens=[1], block_tables=np.zeros((1, 1)),
+            logits_idx=[0])), self.min_q)
         with stream:
             self.dev_buffer = cp.asarray(host)
             batch = device_batch_of(self.dev_buffer, self.layout, n_ctx + T)
-            self.sampling = {f: cp.zeros(1, DecodeGraph.TYPES.get(f, np.int32)) for f in DecodeGraph.SAMPLING}
-            self.token = cp.zeros(1, np.int32)  # where every replay leaves the sampled token (not in the pool)
+            self.sampling = {f: cp.zeros(samples, DecodeGraph.TYPES.get(f, np.int32)) for f in DecodeGraph.SAMPLING}
+            self.tokens = cp.zeros(samples, np.int32)  # where every replay leaves the sampled tokens (not in the pool)
 
             def step():
-                self.token[...] = prefill_step(batch, self.sampling)
+                self.tokens[...] = chunk_step(batch, self.sampling)
             with cp.cuda.using_allocator(pool.malloc):
                 step()  # warm-up, out of the capture
                 stream.synchronize()
@@ -200,23 +204,27 @@ class PrefillGraph:
         self.graph.upload(stream)
 
     def padded(self, batch):
-        """The host fields of this one-sequence batch, its tokens padded to T."""
-        n, pad = len(batch.input_ids), self.T - len(batch.input_ids)
+        """The host fields of this one-sequence batch, its tokens padded to T, its sampled rows to `samples`."""
+        pad = self.T - len(batch.input_ids)
         tables = np.zeros((1, self.width), np.int32)
         tables[0, :batch.block_tables.shape[1]] = batch.block_tables[0]
         return types.SimpleNamespace(
             input_ids=np.pad(batch.input_ids, (0, pad)), positions=np.pad(batch.positions, (0, pad), mode="edge"),
             slot_mapping=np.pad(batch.slot_mapping, (0, pad), constant_values=-1), cu_seqlens_q=[0, self.T],
-            context_lens=[batch.context_lens[0] + pad], block_tables=tables, logits_idx=[n - 1])
+            context_lens=[batch.context_lens[0] + pad], block_tables=tables,
+            logits_idx=self._rows(batch.logits_idx))
+
+    def _rows(self, a):  # a field of the sampled rows, the last repeated to `samples` rows
+        return np.pad(np.asarray(a), (0, self.samples - len(a)), mode="edge")
 
     def run(self, batch, sampling):
-        """The sequence's first token, (1, 1): its inputs copied in (one copy, and one per sampling field), a replay."""
+        """(1, rows that sample) tokens: the inputs copied in (one copy, and one per sampling field), a replay."""
         host, _, _ = pack_batch(self.padded(batch), self.min_q)
         self.dev_buffer.set(host, stream=self.stream)
         for f, a in self.sampling.items():
-            a.set(np.asarray(getattr(sampling, f)[:1], a.dtype), stream=self.stream)
+            a.set(self._rows(getattr(sampling, f)).astype(a.dtype), stream=self.stream)
         self.graph.launch(self.stream)
-        return self.token.get(stream=self.stream)[None].astype(np.int64)
+        return self.tokens.get(stream=self.stream)[None, :len(batch.logits_idx)].astype(np.int64)
 
 
 class GraphRunner:
@@ -225,9 +233,10 @@ class GraphRunner:
     graph records: the engine's forward and sampler on device arrays (nanoinfer.ModelRunner.decode_step). Every
     graph is captured here, at start-up; and before the host reads a run's tokens, the next run is launched, going
     on where that one stops, so the GPU computes while the host turns tokens into text. A lone prompt's prefill replays
-    a graph too (PrefillGraph). One stream: the engine's eager steps run on it too (eager()), so a run ends before
+    a graph too, and so does a lone decode's verification chunk when speculating (ChunkGraph). One stream: the engine's eager steps run on it too (eager()), so a run ends before
     later work reuses its blocks."""
-    def __init__(self, decode_step, backend, kv, n_ctx, max_num_seqs, num_scheduler_steps=MAX_STEPS_PER_RUN):
+    def __init__(self, decode_step, backend, kv, n_ctx, max_num_seqs, num_scheduler_steps=MAX_STEPS_PER_RUN,
+                 verify_tokens=0):
         global cp
         import cupy as cp
         self.backend, self.kv, self.n_ctx = backend, kv, n_ctx
@@ -243,15 +252,23 @@ class GraphRunner:
         self.buckets = [b for b in GRAPH_BUCKETS if b < max_num_seqs] + [b for b in GRAPH_BUCKETS if b >= max_num_seqs][:1]
         self.graphs = {B: DecodeGraph(decode_step, backend, kv, n_ctx, B, self.stream, pool)
                        for B in reversed(self.buckets)}
-        self.prefills = {T: PrefillGraph(decode_step, backend, kv, n_ctx, T, self.stream, pool)
+        self.prefills = {T: ChunkGraph(decode_step, backend, kv, n_ctx, T, 1, self.stream, pool)
                          for T in reversed(PREFILL_BUCKETS) if T <= n_ctx}
+        # speculating (verify_tokens: 1 + the most draft tokens), a lone decode's last token and draft, each sampled
+        self.verify = verify_tokens and ChunkGraph(decode_step, backend, kv, n_ctx, verify_tokens, verify_tokens,
+                                                   self.stream, pool)
 
     def takes(self, batch, seqs):
         """Whether the graphs run this batch: a decode token for each sequence, or one sequence's last prompt chunk
-        (sampling at its last token), none drafting, each sampling as the graphs do."""
-        if any(s.logprobs is not None or s.edits_logits or s.draft for s in seqs):
+        (sampling at its last token), or one sequence's verification chunk (its last token and draft, a row each),
+        each sampling as the graphs do."""
+        if any(s.logprobs is not None or s.edits_logits for s in seqs):
             return False
-        lone_prefill = len(batch.cu_seqlens_q) == 2 and len(seqs) == len(batch.logits_idx) == 1 and \
+        lone = len(batch.cu_seqlens_q) == 2
+        if any(s.draft for s in seqs):
+            return bool(self.verify) and lone and len(batch.input_ids) == len(seqs) == len(batch.logits_idx) <= \
+                self.verify.T
+        lone_prefill = lone and len(seqs) == len(batch.logits_idx) == 1 and \
             len(batch.input_ids) <= max(self.prefills, default=0)
         return len(batch.input_ids) == len(seqs) <= max(self.graphs) or lone_prefill
 
@@ -262,11 +279,12 @@ class GraphRunner:
 
     def run(self, batch, seqs, sampling, launch_next):
         """(num_steps, R) sampled tokens of a batch the graphs take. A lone prompt's: the smallest prefill graph that
-        holds it, one replay. Decode rows': from the run in flight if it computes them, else from one launched now;
+        holds it, one replay; a verification chunk's: the verification graph, one replay. Decode rows': from the run in flight if it computes them, else from one launched now;
         before they are read, the next run is launched (if launch_next and it can go on alone)."""
-        if len(batch.input_ids) != len(seqs):
+        if len(batch.input_ids) != len(seqs) or seqs[0].draft:
             self.in_flight = None
-            return self.prefills[min(T for T in self.prefills if T >= len(batch.input_ids))].run(batch, sampling)
+            return self.verify.run(batch, sampling) if seqs[0].draft else \
+                self.prefills[min(T for T in self.prefills if T >= len(batch.input_ids))].run(batch, sampling)
         run = self.in_flight
         if not (run and all(run.first_positions.get(s.seq_id) == len(s.token_ids) - 1 for s in seqs)):
             plan = plan_run(self.kv, seqs, 0, self.num_scheduler_steps, self.n_ctx)  # the scheduler reserved step 1

@@ -312,17 +312,19 @@ class ModelRunner:
     batches replay CUDA graphs instead (graph_runner.GraphRunner), each recording decode_step, which mirrors eager():
     the graphs are captured here, at start-up, one per batch size, and each graph run is launched while the host still
     reads the run before it, so the tokens of a decode step may come from a run launched a step earlier."""
-    def __init__(self, model, kv, cuda_graphs=True, num_scheduler_steps=16, max_num_seqs=256):
+    def __init__(self, model, kv, cuda_graphs=True, num_scheduler_steps=16, max_num_seqs=256, verify_tokens=0):
         self.model, self.kv, self.graphs, self.admission_group = model, kv, None, 1
         if cuda_graphs and model.backend.name == "cuda":
             from graph_runner import GraphRunner
             t0 = time.perf_counter()
             self.graphs = GraphRunner(self.decode_step, model.backend, kv, model.config.n_ctx, max_num_seqs,
-                                      num_scheduler_steps)
+                                      num_scheduler_steps, verify_tokens)
             self.admission_group = self.graphs.admission_group  # admissions end graph runs: let requests in by groups
             b = self.graphs.buckets
-            log(f"captured {len(b) + len(self.graphs.prefills)} CUDA graphs (decode batches of {b[0]} to {b[-1]} rows, "
-                f"lone prefills of up to {max(self.graphs.prefills, default=0)} tokens) in {time.perf_counter() - t0:.1f} s")
+            log(f"captured {len(b) + len(self.graphs.prefills) + bool(verify_tokens)} CUDA graphs (decode batches of "
+                f"{b[0]} to {b[-1]} rows, lone prefills of up to {max(self.graphs.prefills, default=0)} tokens" +
+                (f", verification chunks of {verify_tokens}" if verify_tokens else "") +
+                f") in {time.perf_counter() - t0:.1f} s")
 
     def run(self, batch, seqs, launch_next=True):
         """(steps, R) sampled tokens of the rows that sample (seqs), and (R, V) host logits if any wants logprobs.
@@ -432,9 +434,10 @@ class LLM:
                                                  weights, c, self.tokenizer.n_vocab, tp, self.kv)
         log(f"KV cache: {blocks * block_size:,} tokens ({self.kv.nbytes / 2 ** 30:.2f} GiB), {blocks} blocks of "
             f"{block_size}; max_num_seqs={max_num_seqs} x n_ctx={c.n_ctx} is the most it can use")
-        self.runner = ModelRunner(self.model, self.kv, cuda_graphs, num_scheduler_steps, max_num_seqs)
         self.speculator = spec and (DraftModelProposer(spec, c.n_ctx, draft.attach(self.kv), self.kv) if draft else
                                     NgramProposer(spec, c.n_ctx))
+        self.runner = ModelRunner(self.model, self.kv, cuda_graphs, num_scheduler_steps, max_num_seqs,
+                                  self.speculator and self.speculator.k + 1)  # a graph for a verification chunk
         self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens, self.runner.admission_group,
                                    self.speculator and self.speculator.propose)
         self._rng = np.random.default_rng(seed)  # seeds for requests that bring none
@@ -511,8 +514,10 @@ class LLM:
             if scheduled:
                 batch, seqs, prompt_rows = make_batch(scheduled, self.kv)  # the flat batch; who samples; prompt rows
                 # (steps, R) new tokens; (R, V) logits for logprobs. A graph run launches the next one before its
-                # tokens are read, unless a request waits to come in (the next step admits it, eagerly)
-                tokens, logits = self.runner.run(batch, seqs, launch_next=not self.scheduler.wants_admission())
+                # tokens are read, unless a request waits to come in (the next step admits it, eagerly) or the next
+                # step may verify a draft (it would drop that run: a draft is made from the tokens the host has)
+                tokens, logits = self.runner.run(batch, seqs, launch_next=not (self.scheduler.wants_admission() or
+                                                                               self.speculator))
                 for seq, n in scheduled:
                     seq.num_computed += n  # their K/V are in the cache now
                 add_prompt_logprobs(prompt_rows, logits, len(seqs), self.tokenizer)

@@ -327,8 +327,8 @@ def test_a_lone_prefill_replays_its_graph(tiny, monkeypatch):
     (a bucket's edges: 64, 65). fp32, as test_cuda_graphs_change_no_token: the padded rows and the graph's attention
     plan change only roundings, which cannot flip a choice there."""
     runs = []
-    run = graph_runner.PrefillGraph.run
-    monkeypatch.setattr(graph_runner.PrefillGraph, "run", lambda g, *a: runs.append(g.T) or run(g, *a))
+    run = graph_runner.ChunkGraph.run
+    monkeypatch.setattr(graph_runner.ChunkGraph, "run", lambda g, *a: runs.append(g.T) or run(g, *a))
     graphed, eager = (LLM(str(tiny.path), device="cuda", dtype="float32", num_kv_tokens=4096, cuda_graphs=on)
                       for on in (True, False))
     prompts = [random_ids(n, n) for n in (2, 40, 64, 65, 100, 127)] + [random_ids(64, 64) + random_ids(30, 1)]
@@ -337,6 +337,30 @@ def test_a_lone_prefill_replays_its_graph(tiny, monkeypatch):
             want = eager.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids
             assert graphed.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids == want, len(p)
     assert runs[:len(prompts)] == [64, 64, 64, 128, 128, 128, 64], runs
+
+
+@NO_GPU
+def test_a_lone_verification_chunk_replays_its_graph(tiny, monkeypatch):
+    """Speculating (n-gram, k = 3), a lone decode's last token and draft are one replay of the verification graph
+    (k + 1 rows, a shorter draft padded) and give plain decoding's tokens, as the same engine's eager steps do: greedy
+    and a seeded draw (T 0.8), on prompts that repeat themselves (so that drafts are found), up to max_tokens' edge
+    (drafts cut short). fp32, as test_cuda_graphs_change_no_token."""
+    runs = []
+    run = graph_runner.ChunkGraph.run
+    monkeypatch.setattr(graph_runner.ChunkGraph, "run", lambda g, b, s: runs.append((g.samples, len(b.input_ids))) or
+                        run(g, b, s))
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    plain, graphed, eager = (LLM(str(tiny.path), device="cuda", dtype="float32", num_kv_tokens=4096, cuda_graphs=on,
+                                 speculative_config=sp) for on, sp in ((False, None), (True, spec), (False, spec)))
+    prompts = [random_ids(n, n) * 4 for n in (3, 7, 12)]
+    for params in (greedy(24), SamplingParams(max_tokens=24, temperature=0.8, seed=5, ignore_eos=True)):
+        for p in prompts:  # one at a time: each step is lone
+            want = plain.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids
+            for llm in (eager, graphed):
+                assert llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids == want
+    verified = [n for samples, n in runs if samples == 4]
+    assert verified and max(verified) == 4, runs
+    assert graphed.speculator.proposed > graphed.speculator.accepted > 0
 
 
 @NO_GPU
