@@ -370,7 +370,8 @@ class ModelRunner:
 class DraftModel:
     """The draft of vLLM's draft-model speculation ({"model": ..., "num_speculative_tokens": k}): a smaller GPT-2 of
     the same vocabulary and at least the target's context, on the target's backend. Its K/V sit in the target's
-    blocks, in tensors of its own; step() is its forward over sequence views (speculation.view) and the sampler."""
+    blocks, in tensors of its own; step() runs it over sequence views (speculation.view) with a ModelRunner of its
+    own: on the GPU its one-token steps and lone chunks replay CUDA graphs, as the target's do."""
     def __init__(self, spec, llm):
         path = resolve_model(spec["model"])
         self.config = c = load_config(path)
@@ -382,16 +383,18 @@ class DraftModel:
                                  f"a context of {c.n_ctx}" if c.n_ctx < llm.config.n_ctx else "another vocabulary"))
         self.model = GPT(c, load_weights(path, c), llm.backend, tokenizer.n_vocab)
 
-    def attach(self, kv):
-        """Its K/V tensors for the target's pool (its own tensors, the target's blocks); its step function."""
-        c, self.target_kv = self.config, kv
-        self.kv = PagedKVCache(self.model.backend, c.n_layer, c.n_head, c.head_dim, kv.num_blocks, kv.block_size, False)
+    def attach(self, kv, cuda_graphs, max_num_seqs):
+        """Its K/V tensors in the target's blocks, and its runner (one step a run: the host reads each token); its step
+        function."""
+        c = self.config
+        self.kv = kv.with_tensors(self.model.backend, c.n_layer, c.n_head, c.head_dim)
+        self.runner = ModelRunner(self.model, self.kv, cuda_graphs, 1, max_num_seqs)
         return self.step
 
     def step(self, views):
         """(R,) tokens: each view's next token, sampled by the keyed race from the draft model's logits."""
-        batch, seqs, _ = make_batch([(v, len(v.token_ids) - v.num_computed) for v in views], self.target_kv)
-        return self.model.backend.sample(self.model.forward(batch, self.kv), *sampling_arrays(seqs))
+        batch, seqs, _ = make_batch([(v, len(v.token_ids) - v.num_computed) for v in views], self.kv)
+        return self.runner.run(batch, seqs, launch_next=False)[0][0]
 
 
 class LLM:
@@ -434,8 +437,8 @@ class LLM:
                                                  weights, c, self.tokenizer.n_vocab, tp, self.kv)
         log(f"KV cache: {blocks * block_size:,} tokens ({self.kv.nbytes / 2 ** 30:.2f} GiB), {blocks} blocks of "
             f"{block_size}; max_num_seqs={max_num_seqs} x n_ctx={c.n_ctx} is the most it can use")
-        self.speculator = spec and (DraftModelProposer(spec, c.n_ctx, draft.attach(self.kv), self.kv) if draft else
-                                    NgramProposer(spec, c.n_ctx))
+        self.speculator = spec and (DraftModelProposer(spec, c.n_ctx, draft.attach(self.kv, cuda_graphs, max_num_seqs),
+                                                       self.kv) if draft else NgramProposer(spec, c.n_ctx))
         self.runner = ModelRunner(self.model, self.kv, cuda_graphs, num_scheduler_steps, max_num_seqs,
                                   self.speculator and self.speculator.k + 1)  # a graph for a verification chunk
         self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens, self.runner.admission_group,

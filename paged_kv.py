@@ -13,6 +13,7 @@ Pages can also be reused across requests (automatic prefix caching, as vLLM has 
 hash of its tokens and of the block before it, so requests that start the same way find their first blocks computed.
 A freed block keeps its name and stays findable until a fresh block is needed, least recently freed first.
 """
+import copy
 import hashlib
 from collections import OrderedDict
 
@@ -83,11 +84,21 @@ class PagedKVCache:
         self.enable_prefix_caching = enable_prefix_caching
         self.named = {}  # seq_id -> the hashes of its first blocks, those named so far
         self.queries = self.hits = 0  # prompt tokens looked up in the prefix cache, and found
-        shape = (num_blocks, block_size, n_head, head_dim)
+        self.block_tables = {}  # seq_id -> list of block ids
+        self._make_tensors(backend, n_layer, n_head, head_dim)
+
+    def _make_tensors(self, backend, n_layer, n_head, head_dim):
+        shape = (self.num_blocks, self.block_size, n_head, head_dim)
         self.k = [backend.zeros(shape) for _ in range(n_layer)]
         self.v = [backend.zeros(shape) for _ in range(n_layer)]
-        self.block_tables = {}  # seq_id -> list of block ids
         self.nbytes = sum(a.nbytes for a in self.k + self.v)
+
+    def with_tensors(self, backend, n_layer, n_head, head_dim):
+        """A cache of its own K/V tensors in this one's blocks (a draft model's, speculation.py): the allocator and the
+        block tables are this cache's objects, shared, so that each block holds both models' K/V of its tokens."""
+        other = copy.copy(self)
+        other._make_tensors(backend, n_layer, n_head, head_dim)
+        return other
 
     @staticmethod
     def bytes_per_token(n_layer, n_head, head_dim, itemsize):

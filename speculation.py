@@ -123,11 +123,12 @@ class DraftModelProposer(Proposer):
 
 def view(seq, start, j):
     """A sequence as the draft model sees it at draft token j: its tokens and its first j drafts (the draft model's
-    input), computing from `start`, sampling at token index num_output + j. What nanoinfer.make_batch and
-    sampling_arrays read of a sequence."""
+    input), computing from `start`, sampling at token index num_output + j. What nanoinfer.make_batch, sampling_arrays
+    and the runner read of a sequence (a drafting one has no log-probs and leaves its logits as they are)."""
     return types.SimpleNamespace(seq_id=seq.seq_id, token_ids=seq.token_ids + seq.draft[:j], num_computed=start,
                                  draft=[], params=seq.params, seed=seq.seed, num_output=seq.num_output + j,
-                                 prompt_logprob_span=lambda n: None)
+                                 prompt_logprob_span=lambda n: None, logprobs=None, edits_logits=False,
+                                 finish_reason=None)
 
 
 def token_indices(seqs):

@@ -340,16 +340,20 @@ def test_a_lone_prefill_replays_its_graph(tiny, monkeypatch):
 
 
 @NO_GPU
-def test_a_lone_verification_chunk_replays_its_graph(tiny, monkeypatch):
-    """Speculating (n-gram, k = 3), a lone decode's last token and draft are one replay of the verification graph
-    (k + 1 rows, a shorter draft padded) and give plain decoding's tokens, as the same engine's eager steps do: greedy
-    and a seeded draw (T 0.8), on prompts that repeat themselves (so that drafts are found), up to max_tokens' edge
-    (drafts cut short). fp32, as test_cuda_graphs_change_no_token."""
-    runs = []
-    run = graph_runner.ChunkGraph.run
-    monkeypatch.setattr(graph_runner.ChunkGraph, "run", lambda g, b, s: runs.append((g.samples, len(b.input_ids))) or
+@pytest.mark.parametrize("method", ["ngram", "draft model"])
+def test_speculation_replays_cuda_graphs(tiny, method, monkeypatch):
+    """Speculating (k = 3), a lone decode's last token and draft are one replay of the verification graph (k + 1 rows,
+    a shorter draft padded), and a draft model's one-token steps replay decode graphs of its own; both give plain
+    decoding's tokens, as the same engine's eager steps do: greedy and a seeded draw (T 0.8), on prompts that repeat
+    themselves (so that n-gram drafts are found), up to max_tokens' edge (drafts cut short). The draft model is the
+    target itself: its drafts are kept. fp32, as test_cuda_graphs_change_no_token."""
+    chunks, launches = [], []
+    run, launch = graph_runner.ChunkGraph.run, graph_runner.DecodeGraph.launch
+    monkeypatch.setattr(graph_runner.ChunkGraph, "run", lambda g, b, s: chunks.append((g, len(b.input_ids))) or
                         run(g, b, s))
-    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    monkeypatch.setattr(graph_runner.DecodeGraph, "launch", lambda g, *a: launches.append(g) or launch(g, *a))
+    spec = {"ngram": {"method": "ngram", "num_speculative_tokens": 3},
+            "draft model": {"model": str(tiny.path), "num_speculative_tokens": 3}}[method]
     plain, graphed, eager = (LLM(str(tiny.path), device="cuda", dtype="float32", num_kv_tokens=4096, cuda_graphs=on,
                                  speculative_config=sp) for on, sp in ((False, None), (True, spec), (False, spec)))
     prompts = [random_ids(n, n) * 4 for n in (3, 7, 12)]
@@ -358,9 +362,14 @@ def test_a_lone_verification_chunk_replays_its_graph(tiny, monkeypatch):
             want = plain.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids
             for llm in (eager, graphed):
                 assert llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids == want
-    verified = [n for samples, n in runs if samples == 4]
-    assert verified and max(verified) == 4, runs
-    assert graphed.speculator.proposed > graphed.speculator.accepted > 0
+    verified = [n for g, n in chunks if g is graphed.runner.graphs.verify]
+    assert verified and max(verified) == 4, chunks
+    s = graphed.speculator
+    assert s.proposed > s.accepted > 0
+    if method == "draft model":
+        assert s.accepted > 0.9 * s.proposed, (s.proposed, s.accepted)
+        draft_graphs = s.draft_step.__self__.runner.graphs.graphs.values()
+        assert any(g in draft_graphs for g in launches), "no draft step was replayed from a CUDA graph"
 
 
 @NO_GPU
