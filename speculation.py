@@ -59,7 +59,8 @@ class NgramProposer(Proposer):
 
     def propose(self, seq, budget):
         """seq's draft: after the latest earlier occurrence of its last n tokens (n from prompt_lookup_max down), what
-        came next, as much as its room holds."""
+        came next, as much as its room holds. Copied as LZ77 copies: a token at a time, so that an occurrence close
+        to the end runs on into the draft itself (d tokens back: the last d tokens repeated, as in a loop of d)."""
         room = self.room(seq, budget)
         if room <= 0:
             return []
@@ -68,7 +69,10 @@ class NgramProposer(Proposer):
             windows = np.lib.stride_tricks.sliding_window_view(ids[:-1], n)  # every earlier n tokens
             starts = np.flatnonzero((windows == ids[-n:]).all(1))
             if len(starts):
-                return ids[starts[-1] + n:starts[-1] + n + room].tolist()
+                source = ids[starts[-1] + n:].tolist()  # from what followed it to the end, then the draft so far
+                for i in range(room):
+                    source.append(source[i])
+                return source[len(source) - room:]
         return []
 
 

@@ -374,6 +374,28 @@ def test_speculation_changes_no_token(tiny, wide, dev, method):
             make_llm(tiny, dev, speculative_config=bad)
 
 
+def test_ngram_drafts():
+    """The n-gram draft: what followed the latest earlier occurrence of the longest suffix (prompt_lookup_max down to
+    _min) that occurred, copied a token at a time so that an occurrence near the end runs on into the draft (a loop
+    of d tokens goes on repeating); as long as the room allows (k, and max_tokens - 1 more tokens); none without a
+    match, or for a sequence that edits its logits or wants log-probs."""
+    import types
+    from speculation import NgramProposer
+    ngram = NgramProposer({"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 3}, 1024)
+
+    def draft(ids, max_tokens=100, budget=100, **params):
+        p = types.SimpleNamespace(max_tokens=max_tokens, logprobs=params.get("logprobs"))
+        return ngram.propose(types.SimpleNamespace(token_ids=ids, params=p, num_output=0,
+                                                   edits_logits=params.get("edits", False)), budget)
+    assert draft([9, 5, 6, 7, 8, 5, 6]) == [7, 8, 5, 6, 7]  # after "5 6": 7 8, then on into what it drafts
+    assert draft([5, 6, 7, 1, 6, 7, 2, 6, 7]) == [2, 6, 7, 2, 6]  # the latest of two occurrences
+    assert draft([4, 4, 4]) == [4] * 5 and draft([1, 2, 1, 2]) == [1, 2, 1, 2, 1]  # loops of 1 and 2
+    assert draft([1, 2, 3, 7, 9, 3, 1, 2, 3]) == [7, 9, 3, 1, 2]  # "1 2 3" before "3" alone, though "3" is later
+    assert draft([1, 2, 3]) == [] and draft([7]) == []  # no earlier occurrence
+    assert draft([4, 4, 4], max_tokens=3) == [4, 4] and draft([4, 4, 4], budget=2) == [4, 4]
+    assert draft([4, 4, 4], edits=True) == [] and draft([4, 4, 4], logprobs=1) == []
+
+
 def test_a_draft_model_of_another_vocabulary_or_a_shorter_context_is_refused(tiny, tmp_path):
     """A draft model whose token ids mean other bytes (two vocabulary entries swapped), or whose context is shorter
     than the target's, is refused with a ValueError that says which."""
