@@ -7,6 +7,7 @@ sampling_params.py holds what a request asks for. On a GPU, cuda_backend.py supp
 (kernels.cu) and a runner replaying decode steps from CUDA graphs: every speed trick.
 """
 import contextlib
+import functools
 import itertools
 import math
 import signal
@@ -406,7 +407,8 @@ class LLM:
     def __init__(self, model, device="auto", dtype=None, block_size=16, max_num_seqs=256,
                  max_num_batched_tokens=16384, num_kv_tokens=None, gpu_memory_utilization=0.9, seed=0,
                  cuda_graphs=True, fused=True, num_scheduler_steps=16, dependent_launches=True, batch_invariant=False,
-                 enable_prefix_caching=True, quantization=None, speculative_config=None, tensor_parallel_size=1):
+                 enable_prefix_caching=True, quantization=None, speculative_config=None, tensor_parallel_size=1,
+                 distributed_executor_backend="uni"):
         check_engine_arguments(locals())
         self.model_dir = path = resolve_model(model)
         self.config = c = load_config(path)
@@ -414,7 +416,7 @@ class LLM:
         self.backend = make_backend(device, dtype)
         self.backend.check_model(c)
         tp = tensor_parallel_size  # ranks, each with its share of the heads (and of every matmul): parallel.py
-        parallel.check(tp, c, self.backend)
+        parallel.check(tp, c, self.backend, distributed_executor_backend)
         # the lessons' switches: fusion, dependent launches; and outputs bitwise the same solo, batched, chunked or
         # preempted (every reduction row by row, in a fixed order)
         self.backend.fused, self.backend.dependent_launches, self.backend.batch_invariant = (
@@ -432,9 +434,10 @@ class LLM:
                                           block_size, draft and draft.config)
         self.kv = PagedKVCache(self.backend, c.n_layer, c.n_head // tp, c.head_dim, blocks, block_size,
                                enable_prefix_caching)  # rank 0's heads: the others' K/V in their tensors, same blocks
-        if tp > 1:  # tensor parallelism's numpy twin: a GPT a rank over its shard of the weights
-            self.model = parallel.SimulatedRanks(lambda w, comm: GPT(c, w, self.backend, self.tokenizer.n_vocab, comm),
-                                                 weights, c, self.tokenizer.n_vocab, tp, self.kv)
+        if tp > 1:  # a GPT a rank over its shard of the weights: threads of this process ("uni"), or processes
+            ranks = parallel.RankProcesses if distributed_executor_backend == "mp" else parallel.SimulatedRanks
+            self.model = ranks(functools.partial(GPT, c, backend=self.backend, n_vocab=self.tokenizer.n_vocab),
+                               weights, c, self.tokenizer.n_vocab, tp, self.kv)
         log(f"KV cache: {blocks * block_size:,} tokens ({self.kv.nbytes / 2 ** 30:.2f} GiB), {blocks} blocks of "
             f"{block_size}; max_num_seqs={max_num_seqs} x n_ctx={c.n_ctx} is the most it can use")
         self.speculator = spec and (DraftModelProposer(spec, c.n_ctx, draft.attach(self.kv, cuda_graphs, max_num_seqs),

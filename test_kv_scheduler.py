@@ -128,12 +128,13 @@ STRESS_EXAMPLES = int(os.environ.get("NANOINFER_STRESS_EXAMPLES", 20))  # raised
 def test_stress_every_request_gets_its_solo_output(tiny, wide, dev, reqs, block_size, slack, max_batched, max_seqs,
                                                    speculate):
     """Random requests (greedy or seeded sampling; a quarter with prompt log-probs; a third opening alike, for the
-    prefix cache; a fifth repeating themselves, for n-gram drafts; speculation on in 2 runs of 3: n-gram, k = 1 or 3,
-    or a draft model, the target itself or another, k = 2 or 3; on the CPU two tensor-parallel ranks when the first
-    request's seed is odd) arriving while others run, some aborted at a random step, on random pools (down to the
-    smallest that fits the largest request), block sizes and budgets: every request finishes with its solo output (alone, no speculation, one
-    rank; an aborted one: a prefix of it) and its prompt log-probs (each prompt token's once, within 1e-4 of solo's),
-    the allocator invariants hold after every step, and no block leaks."""
+    prefix cache; a fifth repeating themselves, for n-gram drafts; speculation on in 2 runs of 3: n-gram, k = 1 or 3, or
+    a draft model, the target itself or another, k = 2 or 3; on the CPU two tensor-parallel ranks when the first
+    request's seed is odd: as processes when it is 3 mod 4, else threads) arriving while others run, some aborted at a
+    random step, on random pools (down to the smallest that fits the largest request), block sizes and budgets: every
+    request finishes with its solo output (alone, no speculation, one rank; an aborted one: a prefix of it) and its
+    prompt log-probs (each prompt token's once, within 1e-4 of solo's), the allocator invariants hold after every step,
+    and no block leaks."""
     work = []
     for length, max_tokens, arrival, sampled, seed, abort, n in reqs:
         extra = dict(n=n, prompt_logprobs=1 if seed % 4 == 0 else None)
@@ -151,7 +152,8 @@ def test_stress_every_request_gets_its_solo_output(tiny, wide, dev, reqs, block_
         {"model": str({"tiny": tiny, "wide": wide}[method].path), "num_speculative_tokens": k}
     llm = make_llm(tiny, dev, block_size=block_size, num_kv_tokens=biggest + slack,
                    max_num_batched_tokens=max_batched, max_num_seqs=max_seqs, speculative_config=spec,
-                   tensor_parallel_size=1 + reqs[0][4] % 2 if dev.device == "cpu" else 1)
+                   tensor_parallel_size=1 + reqs[0][4] % 2 if dev.device == "cpu" else 1,
+                   distributed_executor_backend="mp" if reqs[0][4] % 4 == 3 else "uni")
     pending, ids, done, aborts, t, idle = sorted(work, key=lambda w: w[0]), {}, {}, {}, 0, 0
     while pending or llm.has_unfinished():
         while pending and (pending[0][0] <= t or not llm.has_unfinished()):

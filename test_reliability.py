@@ -194,6 +194,64 @@ def test_a_failed_rank_is_undone(tiny, error, monkeypatch):
     check_undone(tiny, CPU, llm, error, arm, 3, monkeypatch, "rank 1's forward")
 
 
+class FailingRank:
+    """A model factory for parallel.RankProcesses (it pickles, so that a spawned worker makes its model with it):
+    rank 1's forward raises Fault on its 3rd call, in the worker's own process."""
+    def __init__(self, make):
+        self.make = make
+
+    def __call__(self, weights, comm):
+        model = self.make(weights, comm=comm)
+        if comm.rank == 1:
+            forward, calls = model.forward, [0]
+
+            def fails(*args):
+                calls[0] += 1
+                if calls[0] == 3:
+                    raise Fault("injected")
+                return forward(*args)
+            model.forward = fails
+        return model
+
+
+def test_rank_processes_an_error_is_undone_a_death_or_hang_ends_the_engine(tiny):
+    """distributed_executor_backend="mp" (a process a rank, rank 0 driving the others over pipes): an error in rank 1's
+    process, on its 3rd forward, is raised in rank 0 after every rank gave the step up, so the step is undone and ends
+    the requests it touched, the others get their solo outputs, and the engine goes on (the same requests again: one
+    rank's outputs; every block free). A rank whose process dies, or stops answering (SIGSTOP, a 2-second timeout),
+    ends the engine instead: each request, then and later, finishes at once with an error naming the rank."""
+    import functools
+    import parallel
+    from checkpoint import load_weights
+    want = [solo(tiny, CPU, p, q) for p, q in zip(FAULT_PROMPTS, FAULT_PARAMS)]
+    llm = make_llm(tiny, CPU, num_kv_tokens=64, block_size=4, max_num_batched_tokens=16, tensor_parallel_size=2,
+                   distributed_executor_backend="mp")
+    c, n_vocab = llm.config, llm.tokenizer.n_vocab
+    llm.model.stop("replaced")
+    llm.model = llm.runner.model = parallel.RankProcesses(
+        FailingRank(functools.partial(ni.GPT, c, backend=llm.backend, n_vocab=n_vocab)),
+        load_weights(llm.model_dir, c), c, n_vocab, 2, llm.kv)
+    outs = llm.generate(FAULT_PROMPTS, FAULT_PARAMS, use_tqdm=False)
+    failed = [o for o in outs if o.outputs[0].finish_reason == "error"]
+    assert failed and all("injected" in o.error for o in failed), [o.error for o in outs]
+    for o, w, q in zip(outs, want, FAULT_PARAMS):
+        if o not in failed:
+            assert [x.token_ids for x in o.outputs] == (w if q.n > 1 else [w])
+    again = llm.generate(FAULT_PROMPTS, FAULT_PARAMS, use_tqdm=False)
+    assert [[x.token_ids for x in o.outputs] for o in again] == [w if q.n > 1 else [w]
+                                                                 for w, q in zip(want, FAULT_PARAMS)]
+    assert llm.kv.allocator.num_free() == llm.kv.num_blocks
+    for how, why in ((signal.SIGKILL, "rank 1 died"), (signal.SIGSTOP, "rank 1 gave no answer in 2 s")):
+        llm = make_llm(tiny, CPU, num_kv_tokens=64, tensor_parallel_size=2, distributed_executor_backend="mp")
+        llm.model.timeout = 2
+        assert llm.generate(FAULT_PROMPTS[:1], FAULT_PARAMS[:1], use_tqdm=False)[0].outputs[0].token_ids == want[0]
+        os.kill(llm.model.procs[0].pid, how)
+        for _ in range(2):
+            outs = llm.generate(FAULT_PROMPTS, FAULT_PARAMS, use_tqdm=False)
+            assert all(o.outputs[0].finish_reason == "error" and why in o.error for o in outs), [o.error for o in outs]
+        assert not llm.has_unfinished() and llm.kv.allocator.num_free() == llm.kv.num_blocks
+
+
 def check_undone(tiny, dev, llm, error, arm, at, monkeypatch, point):
     """Run FAULT_PROMPTS (and FAULT_SIDE, added first) with the fault `error` that arm() injects at the at-th call it
     counts, then check the outcome."""
