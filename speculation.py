@@ -65,15 +65,21 @@ class NgramProposer(Proposer):
         if room <= 0:
             return []
         ids = np.asarray(seq.token_ids)
-        for n in range(min(self.n_max, len(ids) - 1), self.n_min - 1, -1):
-            windows = np.lib.stride_tricks.sliding_window_view(ids[:-1], n)  # every earlier n tokens
-            starts = np.flatnonzero((windows == ids[-n:]).all(1))
-            if len(starts):
-                source = ids[starts[-1] + n:].tolist()  # from what followed it to the end, then the draft so far
-                for i in range(room):
-                    source.append(source[i])
-                return source[len(source) - room:]
-        return []
+        ends, found = np.flatnonzero(ids[:-1] == ids[-1]), None  # where earlier occurrences of the last token end
+        for n in range(1, min(self.n_max, len(ids) - 1) + 1):  # those that match the last n tokens, n = 1, 2, ...
+            if n > 1:
+                ends = ends[ends >= n - 1]
+                ends = ends[ids[ends - n + 1] == ids[-n]]
+            if not len(ends):
+                break
+            if n >= self.n_min:
+                found = ends[-1]  # the latest of the longest so far
+        if found is None:
+            return []
+        source = ids[found + 1:].tolist()  # from what followed it to the end, then the draft so far
+        for i in range(room):
+            source.append(source[i])
+        return source[len(source) - room:]
 
 
 class DraftModelProposer(Proposer):
