@@ -233,8 +233,8 @@ class GraphRunner:
     graph records: the engine's forward and sampler on device arrays (nanoinfer.ModelRunner.decode_step). Every
     graph is captured here, at start-up; and before the host reads a run's tokens, the next run is launched, going
     on where that one stops, so the GPU computes while the host turns tokens into text. A lone prompt's prefill replays
-    a graph too, and so does a lone decode's verification chunk when speculating (ChunkGraph). One stream: the engine's eager steps run on it too (eager()), so a run ends before
-    later work reuses its blocks."""
+    a graph too, and so does a lone decode's verification chunk when speculating (ChunkGraph). One stream: the
+    engine's eager steps run on it too (eager()), so a run ends before later work reuses its blocks."""
     def __init__(self, decode_step, backend, kv, n_ctx, max_num_seqs, num_scheduler_steps=MAX_STEPS_PER_RUN,
                  verify_tokens=0):
         global cp
@@ -279,8 +279,9 @@ class GraphRunner:
 
     def run(self, batch, seqs, sampling, launch_next):
         """(num_steps, R) sampled tokens of a batch the graphs take. A lone prompt's: the smallest prefill graph that
-        holds it, one replay; a verification chunk's: the verification graph, one replay. Decode rows': from the run in flight if it computes them, else from one launched now;
-        before they are read, the next run is launched (if launch_next and it can go on alone)."""
+        holds it, one replay; a verification chunk's: the verification graph, one replay. Decode rows': from the run
+        in flight if it computes them, else from one launched now; before they are read, the next run is launched (if
+        launch_next and it can go on alone)."""
         if len(batch.input_ids) != len(seqs) or seqs[0].draft:
             self.in_flight = None
             return self.verify.run(batch, sampling) if seqs[0].draft else \
