@@ -365,7 +365,7 @@ def test_speculation_replays_cuda_graphs(tiny, method, monkeypatch):
     verified = [n for g, n in chunks if g is graphed.runner.graphs.verify]
     assert verified and max(verified) == 4, chunks
     s = graphed.speculator
-    assert s.proposed > s.accepted > 0
+    assert s.proposed >= s.accepted > 0
     if method == "draft model":
         assert s.accepted > 0.9 * s.proposed, (s.proposed, s.accepted)
         draft_graphs = s.draft_step.__self__.runner.graphs.graphs.values()

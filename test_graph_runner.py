@@ -1,0 +1,129 @@
+"""The CUDA-graph runner's host logic (graph_runner.py) on the CPU, the GPU emulated: CuPy's arrays are numpy arrays, a
+captured graph is its step function called again at each replay, and decode_advance is its numpy twin (below). So what
+the runner decides runs in CI against the eager engine's tokens: which batches a graph takes, the blocks plan_run
+reserves, runs of 16 steps with the next launched ahead, rows moving to a smaller graph, padded prefill and
+verification chunks, a draft model's graphs. The kernels and the capture itself are held to numpy on the GPU
+(test_kernels.py).
+"""
+import contextlib
+import sys
+import types
+
+import numpy as np
+import pytest
+
+import graph_runner
+import nanoinfer
+from conftest import greedy, random_ids
+from nanoinfer import LLM, NumpyBackend, SamplingParams
+
+
+class DeviceArray(np.ndarray):
+    """A CuPy array's host side: set (copy in) and get (copy out)."""
+    def set(self, a, stream=None):
+        self[...] = a
+
+    def get(self, stream=None):
+        return np.array(self)
+
+
+def device(a):
+    return np.asarray(a).view(DeviceArray)
+
+
+class Nothing:  # a stream, an event, a device, a memory pool: ordering, waiting and pools are nothing on one thread
+    malloc = None
+
+    def __init__(self, *args, **kw):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+    synchronize = record = __init__
+
+
+FAKE_CUPY = types.SimpleNamespace(
+    zeros=lambda *a, **k: device(np.zeros(*a, **k)), zeros_like=lambda *a, **k: device(np.zeros_like(*a, **k)),
+    arange=lambda *a, **k: device(np.arange(*a, **k)), asarray=lambda a, dtype=None: device(np.array(a, dtype)),
+    cuda=types.SimpleNamespace(Stream=Nothing, Event=Nothing, Device=Nothing, MemoryPool=Nothing,
+                               using_allocator=lambda malloc: contextlib.nullcontext()))
+
+
+def decode_advance(tokens, input_ids, positions, context_lens, slot_mapping, token_index, remaining, block_tables,
+                   max_blocks, block_size, history, ring, ring_row, B):
+    """kernels.cu's decode_advance in numpy: each row's token into the history ring; a live row moves on (its token
+    becomes its input, its position, context and sampling counter step, its slot comes from its block table) or, after
+    its last allowed step, becomes padding (slot -1)."""
+    row = int(ring_row[0])
+    ring_row[0] = row + 1
+    history[row % ring, :B] = tokens[:B]
+    live = np.flatnonzero(slot_mapping[:B] >= 0)
+    remaining[live] -= 1
+    slot_mapping[live[remaining[live] == 0]] = -1
+    go = live[remaining[live] > 0]
+    pos = positions[go] + 1
+    input_ids[go], positions[go], context_lens[go], token_index[go] = tokens[go], pos, pos + 1, token_index[go] + 1
+    blk = pos // block_size
+    tables = block_tables.reshape(B, max_blocks)
+    slot_mapping[go] = np.where(blk < max_blocks, tables[go, np.minimum(blk, max_blocks - 1)] * block_size +
+                                pos % block_size, -1)
+
+
+class EmulatedGPU(NumpyBackend):
+    """The numpy op set under the CUDA backend's name, with what the graph runner asks of it besides."""
+    name, tile_min_q = "cuda", None  # fp32's attention plan: every query a row
+
+    def sample_device(self, logits, *sampling):
+        return device(self.sample(logits, *map(np.asarray, sampling)).astype(np.int32))
+
+    def capture(self, stream, step):
+        return types.SimpleNamespace(launch=lambda stream: step(), upload=lambda stream: None)
+
+    def launch(self, name, grid, block, args):
+        assert name == "decode_advance", name
+        decode_advance(*[a if isinstance(a, np.ndarray) and a.ndim else int(a) for a in args])
+
+    def cache_write(self, k, v, k_cache, v_cache, slot_mapping):  # padding (slot -1) writes nothing, as the kernel
+        keep = np.asarray(slot_mapping) >= 0
+        super().cache_write(k[keep], v[keep], k_cache, v_cache, np.asarray(slot_mapping)[keep])
+
+
+@pytest.fixture
+def emulated_gpu(monkeypatch):
+    """device="cuda" makes an EmulatedGPU; graph_runner imports the fake CuPy (both undone after the test)."""
+    monkeypatch.setitem(sys.modules, "cupy", FAKE_CUPY)
+    monkeypatch.setattr(graph_runner, "cp", graph_runner.cp)
+    make = nanoinfer.make_backend
+    monkeypatch.setattr(nanoinfer, "make_backend", lambda d, dtype: EmulatedGPU() if d == "cuda" else make(d, dtype))
+
+
+def test_graph_runner_gives_the_eager_tokens(tiny, emulated_gpu, monkeypatch):
+    """The engine with the graph runner against the same engine eager: greedy, seeded sampling and n = 2 requests of
+    mixed lengths in one batch (runs of 16 steps, the next launched ahead, rows moving to smaller graphs as requests
+    finish), then lone requests (padded prefill graphs); with a pool small enough to preempt; plain, with n-gram
+    drafts and with a draft model (a lone decode's verification chunk: one padded graph; the draft model's steps: its
+    own graphs). Each kind of graph is replayed, and every block is free after."""
+    decodes, chunks = [], []
+    launch, run = graph_runner.DecodeGraph.launch, graph_runner.ChunkGraph.run
+    monkeypatch.setattr(graph_runner.DecodeGraph, "launch",
+                        lambda g, seqs, s, plan: decodes.append((g.B, plan.num_steps)) or launch(g, seqs, s, plan))
+    monkeypatch.setattr(graph_runner.ChunkGraph, "run", lambda g, b, s: chunks.append((g.T, g.samples)) or run(g, b, s))
+    prompts = [random_ids(n, n) for n in (3, 17, 40, 64, 80)] + [random_ids(6, 2) * 5]
+    params = [greedy(30), SamplingParams(max_tokens=20, temperature=0.8, seed=3, ignore_eos=True), greedy(5),
+              greedy(12, n=2), greedy(40), greedy(16)]
+    for spec in (None, {"method": "ngram", "num_speculative_tokens": 3},
+                 {"model": str(tiny.path), "num_speculative_tokens": 2}):
+        for pool in (4096, 160):
+            graphed, eager = (LLM(str(tiny.path), device=d, num_kv_tokens=pool, speculative_config=spec)
+                              for d in ("cuda", "cpu"))
+            for batch in [slice(None)] + [slice(i, i + 1) for i in (0, 1, 5)]:
+                want, got = ([[c.token_ids for c in o.outputs] for o in llm.generate(
+                    prompts[batch], params[batch], use_tqdm=False)] for llm in (eager, graphed))
+                assert got == want, (spec, pool, batch)
+            assert graphed.kv.allocator.num_free() == graphed.kv.num_blocks
+    assert {1, 2, 4, 8} <= {B for B, _ in decodes} and max(n for _, n in decodes) == 16, sorted(set(decodes))
+    assert {(64, 1), (128, 1), (4, 4)} <= set(chunks), sorted(set(chunks))
