@@ -12,10 +12,12 @@ import types
 import numpy as np
 import pytest
 
+import conftest
 import graph_runner
 import nanoinfer
-from conftest import greedy, random_ids
+from conftest import Dev, greedy, random_ids
 from nanoinfer import LLM, NumpyBackend, SamplingParams
+from test_kv_scheduler import test_stress_every_request_gets_its_solo_output as stress_test
 
 
 class DeviceArray(np.ndarray):
@@ -94,8 +96,10 @@ class EmulatedGPU(NumpyBackend):
 
 @pytest.fixture
 def emulated_gpu(monkeypatch):
-    """device="cuda" makes an EmulatedGPU; graph_runner imports the fake CuPy (both undone after the test)."""
+    """device="cuda" makes an EmulatedGPU; graph_runner imports the fake CuPy; solo runs are its own (all undone after
+    the test)."""
     monkeypatch.setitem(sys.modules, "cupy", FAKE_CUPY)
+    monkeypatch.setattr(conftest, "_solo_cache", {})
     monkeypatch.setattr(graph_runner, "cp", graph_runner.cp)
     make = nanoinfer.make_backend
     monkeypatch.setattr(nanoinfer, "make_backend", lambda d, dtype: EmulatedGPU() if d == "cuda" else make(d, dtype))
@@ -127,3 +131,9 @@ def test_graph_runner_gives_the_eager_tokens(tiny, emulated_gpu, monkeypatch):
             assert graphed.kv.allocator.num_free() == graphed.kv.num_blocks
     assert {1, 2, 4, 8} <= {B for B, _ in decodes} and max(n for _, n in decodes) == 16, sorted(set(decodes))
     assert {(64, 1), (128, 1), (4, 4)} <= set(chunks), sorted(set(chunks))
+
+
+def test_stress_on_the_emulated_gpu(tiny, wide, emulated_gpu):
+    """test_kv_scheduler's hypothesis stress test with device="cuda" emulated: random requests arriving, aborted,
+    preempted, speculating, each ending with its solo output, now through the graph runner's runs and chunks."""
+    stress_test(tiny=tiny, wide=wide, dev=Dev("cuda", "float32"))
