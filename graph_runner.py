@@ -5,8 +5,8 @@ device arrays, and a graph records exactly that. Only nanoinfer.py imports it (f
 
 - plan_run: a run of decode steps, its KV blocks reserved up front (the GPU moves each row on by itself).
 - DecodeGraph: one decode step of up to B rows as one CUDA graph, replayed num_steps times a run.
-- ChunkGraph: one sequence's chunk of up to T tokens as one CUDA graph: a lone prompt's prefill, or a decode's
-  verification chunk (its last token and its draft: speculation.py).
+- ChunkGraph: chunks of up to T tokens of up to B sequences as one CUDA graph: a lone prompt's prefill, or decodes'
+  verification chunks (each its last token and its draft: speculation.py).
 - GraphRunner: which batches the graphs take, and the run launched one step ahead of the host.
 """
 import contextlib
@@ -176,24 +176,25 @@ class DecodeGraph:
 
 
 class ChunkGraph:
-    """One sequence's chunk of up to T tokens, and the sampling of its last `samples` rows, replayed from one CUDA
-    graph: a lone prompt's prefill (samples 1: its first token), or a decode's verification chunk, its last token and
-    its draft (samples T: a token at each). Eager, such a step launches ~100 kernels one by one from Python, which
-    for GPT-2's sizes costs more than the GPU's work: a lone request's time to first token (what a prefix-cache hit
-    shortens) and a speculating one's every step are the host's. The tokens are padded to T: a pad computes at the
-    last real position, writes no cache slot (-1), and samples the last real row again (its token unread); the
-    sequence is declared T queries long, so each real query keeps its position and sees only real keys."""
-    def __init__(self, chunk_step, backend, kv, n_ctx, T, samples, stream, pool):
-        self.T, self.samples, self.stream, self.min_q = T, samples, stream, backend.tile_min_q
+    """Up to B sequences' chunks of up to T tokens each, and the sampling of up to `samples` rows of each, replayed from
+    one CUDA graph: a lone prompt's prefill (B 1, samples 1: its first token), or decodes' verification chunks, each
+    its last token and its draft (samples T: a token at each). Eager, such a step launches ~100 kernels one by one from
+    Python, which for GPT-2's sizes costs more than the GPU's work: a lone request's time to first token (what a
+    prefix-cache hit shortens) and a speculating one's every step are the host's. Each chunk is padded to T tokens: a
+    pad computes at its sequence's last real position and writes no cache slot (-1); each sequence is declared T
+    queries long, so each real query keeps its position and sees only real keys; sequences past the batch's are
+    padding too, and rows no one samples sample something unread."""
+    def __init__(self, chunk_step, backend, kv, n_ctx, T, samples, stream, pool, B=1):
+        self.T, self.samples, self.B, self.stream, self.min_q = T, samples, B, stream, backend.tile_min_q
         self.width = kv.blocks_needed(n_ctx + T)  # the pads' queries may look past the context: entries 0
         host, self.layout, _ = pack_batch(self.padded(types.SimpleNamespace(
             input_ids=[0], positions=[0], slot_mapping=[-1], context_lens=[1], block_tables=np.zeros((1, 1)),
-            logits_idx=[0])), self.min_q)
+            logits_idx=[0], cu_seqlens_q=[0, 1]))[0], self.min_q)
         with stream:
             self.dev_buffer = cp.asarray(host)
             batch = device_batch_of(self.dev_buffer, self.layout, n_ctx + T)
-            self.sampling = {f: cp.zeros(samples, DecodeGraph.TYPES.get(f, np.int32)) for f in DecodeGraph.SAMPLING}
-            self.tokens = cp.zeros(samples, np.int32)  # where every replay leaves the sampled tokens (not in the pool)
+            self.sampling = {f: cp.zeros(B * samples, DecodeGraph.TYPES.get(f, np.int32)) for f in DecodeGraph.SAMPLING}
+            self.tokens = cp.zeros(B * samples, np.int32)  # where every replay leaves the sampled tokens (no pool)
 
             def step():
                 self.tokens[...] = chunk_step(batch, self.sampling)
@@ -204,27 +205,39 @@ class ChunkGraph:
         self.graph.upload(stream)
 
     def padded(self, batch):
-        """The host fields of this one-sequence batch, its tokens padded to T, its sampled rows to `samples`."""
-        pad = self.T - len(batch.input_ids)
-        tables = np.zeros((1, self.width), np.int32)
-        tables[0, :batch.block_tables.shape[1]] = batch.block_tables[0]
+        """The host fields of this batch of at most B sequences, padded to B chunks of T tokens; and `slots`, where
+        each row that samples (batch.logits_idx, in order) goes among the B * samples sampled rows."""
+        cu, T = np.asarray(batch.cu_seqlens_q), self.T
+        S, n = len(cu) - 1, np.diff(cu)  # sequences, and each one's tokens
+        seq, j = np.divmod(np.arange(self.B * T), T)  # each padded row's sequence, and its place in it
+        real, seq_ = (seq < S) & (j < n[np.minimum(seq, S - 1)]), np.minimum(seq, S - 1)
+        src = np.where(seq < S, cu[seq_] + np.minimum(j, n[seq_] - 1), 0)  # the row each copies (pads: the last)
+        sampled = np.asarray(batch.logits_idx)
+        of = np.searchsorted(cu, sampled, side="right") - 1  # each sampled row's sequence, and its rank there
+        slots = of * self.samples + np.arange(len(sampled)) - np.searchsorted(of, of)
+        logits_idx = np.zeros(self.B * self.samples, np.int32)
+        logits_idx[slots] = of * T + sampled - cu[of]
+        tables = np.zeros((self.B, self.width), np.int32)
+        tables[:S, :batch.block_tables.shape[1]] = batch.block_tables
         return types.SimpleNamespace(
-            input_ids=np.pad(batch.input_ids, (0, pad)), positions=np.pad(batch.positions, (0, pad), mode="edge"),
-            slot_mapping=np.pad(batch.slot_mapping, (0, pad), constant_values=-1), cu_seqlens_q=[0, self.T],
-            context_lens=[batch.context_lens[0] + pad], block_tables=tables,
-            logits_idx=self._rows(batch.logits_idx))
-
-    def _rows(self, a):  # a field of the sampled rows, the last repeated to `samples` rows
-        return np.pad(np.asarray(a), (0, self.samples - len(a)), mode="edge")
+            input_ids=np.where(real, np.asarray(batch.input_ids)[src], 0),
+            positions=np.where(seq < S, np.asarray(batch.positions)[src], 0),
+            slot_mapping=np.where(real, np.asarray(batch.slot_mapping)[src], -1),
+            cu_seqlens_q=np.arange(0, self.B * T + 1, T), block_tables=tables, logits_idx=logits_idx,
+            context_lens=np.concatenate([np.asarray(batch.context_lens) + T - n, np.full(self.B - S, T)])), slots
 
     def run(self, batch, sampling):
         """(1, rows that sample) tokens: the inputs copied in (one copy, and one per sampling field), a replay."""
-        host, _, _ = pack_batch(self.padded(batch), self.min_q)
+        host_batch, slots = self.padded(batch)
+        host, _, _ = pack_batch(host_batch, self.min_q)
         self.dev_buffer.set(host, stream=self.stream)
         for f, a in self.sampling.items():
-            a.set(self._rows(getattr(sampling, f)).astype(a.dtype), stream=self.stream)
+            values = np.asarray(getattr(sampling, f), a.dtype)
+            field = np.full(len(a), values[-1], a.dtype)  # rows no one samples: anything
+            field[slots] = values
+            a.set(field, stream=self.stream)
         self.graph.launch(self.stream)
-        return self.tokens.get(stream=self.stream)[None, :len(batch.logits_idx)].astype(np.int64)
+        return self.tokens.get(stream=self.stream)[None, slots].astype(np.int64)
 
 
 class GraphRunner:
@@ -233,7 +246,7 @@ class GraphRunner:
     graph records: the engine's forward and sampler on device arrays (nanoinfer.ModelRunner.decode_step). Every
     graph is captured here, at start-up; and before the host reads a run's tokens, the next run is launched, going
     on where that one stops, so the GPU computes while the host turns tokens into text. A lone prompt's prefill replays
-    a graph too, and so does a lone decode's verification chunk when speculating (ChunkGraph). One stream: the
+    a graph too, and so do decodes' verification chunks when speculating (ChunkGraph). One stream: the
     engine's eager steps run on it too (eager()), so a run ends before later work reuses its blocks."""
     def __init__(self, decode_step, backend, kv, n_ctx, max_num_seqs, num_scheduler_steps=MAX_STEPS_PER_RUN,
                  verify_tokens=0):
@@ -254,21 +267,23 @@ class GraphRunner:
                        for B in reversed(self.buckets)}
         self.prefills = {T: ChunkGraph(decode_step, backend, kv, n_ctx, T, 1, self.stream, pool)
                          for T in reversed(PREFILL_BUCKETS) if T <= n_ctx}
-        # speculating (verify_tokens: 1 + the most draft tokens), a lone decode's last token and draft, each sampled
-        self.verify = verify_tokens and ChunkGraph(decode_step, backend, kv, n_ctx, verify_tokens, verify_tokens,
-                                                   self.stream, pool)
+        # speculating (verify_tokens: 1 + the most draft tokens), decodes' last tokens and drafts, each sampled, a graph
+        # per bucket of sequences as for decode steps
+        k1 = verify_tokens
+        self.verify = {B: ChunkGraph(decode_step, backend, kv, n_ctx, k1, k1, self.stream, pool, B)
+                       for B in reversed(self.buckets)} if k1 else {}
 
     def takes(self, batch, seqs):
-        """Whether the graphs run this batch: a decode token for each sequence, or one sequence's last prompt chunk
-        (sampling at its last token), or one sequence's verification chunk (its last token and draft, a row each),
+        """Whether the graphs run this batch: a decode token for each sequence; or one sequence's last prompt chunk
+        (sampling at its last token); or, speculating, decodes only, each its last token and its draft (a row each):
         each sampling as the graphs do."""
         if any(s.logprobs is not None or s.edits_logits for s in seqs):
             return False
-        lone = len(batch.cu_seqlens_q) == 2
+        decodes_only = len(batch.input_ids) == len(seqs) == len(batch.logits_idx)  # every token samples
         if any(s.draft for s in seqs):
-            return bool(self.verify) and lone and len(batch.input_ids) == len(seqs) == len(batch.logits_idx) <= \
-                self.verify.T
-        lone_prefill = lone and len(seqs) == len(batch.logits_idx) == 1 and \
+            return bool(self.verify) and decodes_only and len(batch.cu_seqlens_q) - 1 <= max(self.verify) and \
+                max(np.diff(batch.cu_seqlens_q)) <= self.verify[1].T
+        lone_prefill = len(batch.cu_seqlens_q) == 2 and len(seqs) == len(batch.logits_idx) == 1 and \
             len(batch.input_ids) <= max(self.prefills, default=0)
         return len(batch.input_ids) == len(seqs) <= max(self.graphs) or lone_prefill
 
@@ -279,13 +294,15 @@ class GraphRunner:
 
     def run(self, batch, seqs, sampling, launch_next):
         """(num_steps, R) sampled tokens of a batch the graphs take. A lone prompt's: the smallest prefill graph that
-        holds it, one replay; a verification chunk's: the verification graph, one replay. Decode rows': from the run
-        in flight if it computes them, else from one launched now; before they are read, the next run is launched (if
-        launch_next and it can go on alone)."""
-        if len(batch.input_ids) != len(seqs) or seqs[0].draft:
+        holds it, one replay; verification chunks': the verification graph of their bucket, one replay. Decode rows':
+        from the run in flight if it computes them, else from one launched now; before they are read, the next run is
+        launched (if launch_next and it can go on alone)."""
+        if len(batch.input_ids) != len(seqs):
             self.in_flight = None
-            return self.verify.run(batch, sampling) if seqs[0].draft else \
-                self.prefills[min(T for T in self.prefills if T >= len(batch.input_ids))].run(batch, sampling)
+            return self.prefills[min(T for T in self.prefills if T >= len(batch.input_ids))].run(batch, sampling)
+        if any(s.draft for s in seqs):
+            self.in_flight = None
+            return self.verify[min(B for B in self.verify if B >= len(batch.cu_seqlens_q) - 1)].run(batch, sampling)
         run = self.in_flight
         if not (run and all(run.first_positions.get(s.seq_id) == len(s.token_ids) - 1 for s in seqs)):
             plan = plan_run(self.kv, seqs, 0, self.num_scheduler_steps, self.n_ctx)  # the scheduler reserved step 1

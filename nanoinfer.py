@@ -322,9 +322,9 @@ class ModelRunner:
                                       num_scheduler_steps, verify_tokens)
             self.admission_group = self.graphs.admission_group  # admissions end graph runs: let requests in by groups
             b = self.graphs.buckets
-            log(f"captured {len(b) + len(self.graphs.prefills) + bool(verify_tokens)} CUDA graphs (decode batches of "
-                f"{b[0]} to {b[-1]} rows, lone prefills of up to {max(self.graphs.prefills, default=0)} tokens" +
-                (f", verification chunks of {verify_tokens}" if verify_tokens else "") +
+            log(f"captured {len(b) + len(self.graphs.prefills) + len(self.graphs.verify)} CUDA graphs (decode batches "
+                f"of {b[0]} to {b[-1]} rows, lone prefills of up to {max(self.graphs.prefills, default=0)} tokens" +
+                (f", as many of verification chunks of {verify_tokens}" if verify_tokens else "") +
                 f") in {time.perf_counter() - t0:.1f} s")
 
     def run(self, batch, seqs, launch_next=True):

@@ -102,20 +102,21 @@ def emulated_gpu(monkeypatch):
     monkeypatch.setattr(conftest, "_solo_cache", {})
     monkeypatch.setattr(graph_runner, "cp", graph_runner.cp)
     make = nanoinfer.make_backend
-    monkeypatch.setattr(nanoinfer, "make_backend", lambda d, dtype: EmulatedGPU() if d == "cuda" else make(d, dtype))
+    monkeypatch.setattr(nanoinfer, "make_backend", lambda d, t: EmulatedGPU() if d == "cuda" else make(d, t))
 
 
 def test_graph_runner_gives_the_eager_tokens(tiny, emulated_gpu, monkeypatch):
     """The engine with the graph runner against the same engine eager: greedy, seeded sampling and n = 2 requests of
     mixed lengths in one batch (runs of 16 steps, the next launched ahead, rows moving to smaller graphs as requests
     finish), then lone requests (padded prefill graphs); with a pool small enough to preempt; plain, with n-gram
-    drafts and with a draft model (a lone decode's verification chunk: one padded graph; the draft model's steps: its
-    own graphs). Each kind of graph is replayed, and every block is free after."""
+    drafts and with a draft model (decodes' verification chunks: one padded graph a bucket of sequences, 1 and 8
+    among them; the draft model's steps: its own graphs). Each kind of graph is replayed, and every block is free after."""
     decodes, chunks = [], []
     launch, run = graph_runner.DecodeGraph.launch, graph_runner.ChunkGraph.run
     monkeypatch.setattr(graph_runner.DecodeGraph, "launch",
                         lambda g, seqs, s, plan: decodes.append((g.B, plan.num_steps)) or launch(g, seqs, s, plan))
-    monkeypatch.setattr(graph_runner.ChunkGraph, "run", lambda g, b, s: chunks.append((g.T, g.samples)) or run(g, b, s))
+    monkeypatch.setattr(graph_runner.ChunkGraph, "run",
+                        lambda g, b, s: chunks.append((g.T, g.samples, g.B)) or run(g, b, s))
     prompts = [random_ids(n, n) for n in (3, 17, 40, 64, 80)] + [random_ids(6, 2) * 5]
     params = [greedy(30), SamplingParams(max_tokens=20, temperature=0.8, seed=3, ignore_eos=True), greedy(5),
               greedy(12, n=2), greedy(40), greedy(16)]
@@ -130,7 +131,7 @@ def test_graph_runner_gives_the_eager_tokens(tiny, emulated_gpu, monkeypatch):
                 assert got == want, (spec, pool, batch)
             assert graphed.kv.allocator.num_free() == graphed.kv.num_blocks
     assert {1, 2, 4, 8} <= {B for B, _ in decodes} and max(n for _, n in decodes) == 16, sorted(set(decodes))
-    assert {(64, 1), (128, 1), (4, 4)} <= set(chunks), sorted(set(chunks))
+    assert {(64, 1, 1), (128, 1, 1), (4, 4, 1), (4, 4, 8)} <= set(chunks), sorted(set(chunks))
 
 
 def test_stress_on_the_emulated_gpu(tiny, wide, emulated_gpu):
