@@ -385,17 +385,18 @@ class DraftModel:
         self.model = GPT(c, load_weights(path, c), llm.backend, tokenizer.n_vocab)
 
     def attach(self, kv, cuda_graphs, max_num_seqs):
-        """Its K/V tensors in the target's blocks, and its runner (one step a run: the host reads each token); its step
-        function."""
+        """Its K/V tensors in the target's blocks, and its runner (on the GPU, a graph run makes a view's draft tokens
+        after its first at once); its step function."""
         c = self.config
         self.kv = kv.with_tensors(self.model.backend, c.n_layer, c.n_head, c.head_dim)
-        self.runner = ModelRunner(self.model, self.kv, cuda_graphs, 1, max_num_seqs)
+        self.runner = ModelRunner(self.model, self.kv, cuda_graphs, max_num_seqs=max_num_seqs)
         return self.step
 
     def step(self, views):
-        """(R,) tokens: each view's next token, sampled by the keyed race from the draft model's logits."""
+        """(steps, R) tokens: each view's next tokens, sampled by the keyed race from the draft model's logits (one
+        step, or a graph run's decode steps, as many as the views' drafts still want)."""
         batch, seqs, _ = make_batch([(v, len(v.token_ids) - v.num_computed) for v in views], self.kv)
-        return self.runner.run(batch, seqs, launch_next=False)[0][0]
+        return self.runner.run(batch, seqs, launch_next=False)[0]
 
 
 class LLM:

@@ -14,6 +14,7 @@ token id), at the same index, from logits over the same tokens before it (a kept
 decoding sampled there). A rejected position's KV is never read: the next step writes that slot again. So whatever
 the draft, however wrong, only the speed changes.
 """
+import dataclasses
 import types
 
 import numpy as np
@@ -108,12 +109,14 @@ class DraftModelProposer(Proposer):
             return
         tables = self.kv.block_tables  # forget the sequences gone
         self.computed, self.fed = ({i: c for i, c in d.items() if i in tables} for d in (self.computed, self.fed))
-        starts = [self._seen(s) for s in drafting]
-        for j in range(max(len(s.draft) for s in drafting)):
-            rows = [r for r, s in enumerate(drafting) if j < len(s.draft)]
+        starts, j = [self._seen(s) for s in drafting], 0
+        while rows := [r for r, s in enumerate(drafting) if j < len(s.draft)]:  # those with draft tokens j, j + 1, ...
             views = [view(drafting[r], starts[r] if j == 0 else len(drafting[r].token_ids) + j - 1, j) for r in rows]
-            for r, token in zip(rows, self.draft_step(views)):
-                drafting[r].draft[j] = int(token)
+            tokens = self.draft_step(views)  # (steps, rows): a graph run of decode steps makes several at once
+            for i, r in enumerate(rows):
+                for t, token in enumerate(tokens[:len(drafting[r].draft) - j, i]):
+                    drafting[r].draft[j + t] = int(token)
+            j += len(tokens)
         for s in drafting:  # the last draft token is never fed
             n = len(s.token_ids) + len(s.draft) - 1
             self.computed[s.seq_id] = (n, tuple(self.kv.block_tables[s.seq_id][:self.kv.blocks_needed(n)]))
@@ -133,10 +136,13 @@ class DraftModelProposer(Proposer):
 
 def view(seq, start, j):
     """A sequence as the draft model sees it at draft token j: its tokens and its first j drafts (the draft model's
-    input), computing from `start`, sampling at token index num_output + j. What nanoinfer.make_batch, sampling_arrays
+    input), computing from `start`, sampling at token index num_output + j, with as many tokens left to make as its
+    draft has (a graph run makes no more). What nanoinfer.make_batch, sampling_arrays
     and the runner read of a sequence (a drafting one has no log-probs and leaves its logits as they are)."""
     return types.SimpleNamespace(seq_id=seq.seq_id, token_ids=seq.token_ids + seq.draft[:j], num_computed=start,
-                                 draft=[], params=seq.params, seed=seq.seed, num_output=seq.num_output + j,
+                                 draft=[], params=dataclasses.replace(seq.params, max_tokens=seq.num_output +
+                                                                      len(seq.draft)), seed=seq.seed,
+                                 num_output=seq.num_output + j,
                                  prompt_logprob_span=lambda n: None, logprobs=None, edits_logits=False,
                                  finish_reason=None)
 

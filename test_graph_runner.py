@@ -110,18 +110,19 @@ def test_graph_runner_gives_the_eager_tokens(tiny, emulated_gpu, monkeypatch):
     mixed lengths in one batch (runs of 16 steps, the next launched ahead, rows moving to smaller graphs as requests
     finish), then lone requests (padded prefill graphs); with a pool small enough to preempt; plain, with n-gram
     drafts and with a draft model (decodes' verification chunks: one padded graph a bucket of sequences, 1 and 8
-    among them; the draft model's steps: its own graphs). Each kind of graph is replayed, and every block is free after."""
+    among them; the draft model's steps: its own graphs, a run making a draft's tokens after its first at once). Each
+    kind of graph is replayed, and every block is free after."""
     decodes, chunks = [], []
     launch, run = graph_runner.DecodeGraph.launch, graph_runner.ChunkGraph.run
     monkeypatch.setattr(graph_runner.DecodeGraph, "launch",
-                        lambda g, seqs, s, plan: decodes.append((g.B, plan.num_steps)) or launch(g, seqs, s, plan))
+                        lambda g, seqs, s, plan: decodes.append((g.B, plan.num_steps, g)) or launch(g, seqs, s, plan))
     monkeypatch.setattr(graph_runner.ChunkGraph, "run",
                         lambda g, b, s: chunks.append((g.T, g.samples, g.B)) or run(g, b, s))
     prompts = [random_ids(n, n) for n in (3, 17, 40, 64, 80)] + [random_ids(6, 2) * 5]
     params = [greedy(30), SamplingParams(max_tokens=20, temperature=0.8, seed=3, ignore_eos=True), greedy(5),
               greedy(12, n=2), greedy(40), greedy(16)]
     for spec in (None, {"method": "ngram", "num_speculative_tokens": 3},
-                 {"model": str(tiny.path), "num_speculative_tokens": 2}):
+                 {"model": str(tiny.path), "num_speculative_tokens": 3}):
         for pool in (4096, 160):
             graphed, eager = (LLM(str(tiny.path), device=d, num_kv_tokens=pool, speculative_config=spec)
                               for d in ("cuda", "cpu"))
@@ -130,8 +131,11 @@ def test_graph_runner_gives_the_eager_tokens(tiny, emulated_gpu, monkeypatch):
                     prompts[batch], params[batch], use_tqdm=False)] for llm in (eager, graphed))
                 assert got == want, (spec, pool, batch)
             assert graphed.kv.allocator.num_free() == graphed.kv.num_blocks
-    assert {1, 2, 4, 8} <= {B for B, _ in decodes} and max(n for _, n in decodes) == 16, sorted(set(decodes))
-    assert {(64, 1, 1), (128, 1, 1), (4, 4, 1), (4, 4, 8)} <= set(chunks), sorted(set(chunks))
+            if spec and "model" in spec:  # the draft model's runs make its tokens after the first at once
+                drafts = graphed.speculator.draft_step.__self__.runner.graphs.graphs.values()
+                assert any(g in drafts and n == 2 for _, n, g in decodes)
+    assert {1, 2, 4, 8} <= {B for B, _, _ in decodes} and max(n for _, n, _ in decodes) == 16
+    assert {(64, 1, 1), (128, 1, 1), (4, 4, 1), (4, 4, 8)} <= set(chunks), sorted(set(chunks))  # n-gram, k = 3
 
 
 def test_stress_on_the_emulated_gpu(tiny, wide, emulated_gpu):
