@@ -76,9 +76,19 @@ class Single:
         return x
 
 
-class ThreadComm:
-    """Rank `rank` of `size` threads of this process, NCCL's collectives as barriers: each rank leaves its array, all
-    wait, each takes the sum (in rank order: the same bits on every rank) or the concatenation, all wait again."""
+class Collectives:
+    """NCCL's two collectives over an exchange of each rank's array (`_exchange(x, combine)`, the transport's): the
+    all-reduce sums them in rank order (the same bits on every rank), the all-gather concatenates them."""
+    def all_reduce(self, x):
+        return self._exchange(x, lambda xs: reduce(np.add, xs))
+
+    def all_gather(self, x):  # along the last axis (the lm_head's vocabulary)
+        return self._exchange(x, lambda xs: np.concatenate(xs, axis=-1))
+
+
+class ThreadComm(Collectives):
+    """Rank `rank` of `size` threads of this process, the exchange through barriers: each rank leaves its array, all
+    wait, each combines them, all wait again."""
     def __init__(self, group, rank):
         self.group, self.rank, self.size = group, rank, len(group["slots"])
 
@@ -89,12 +99,6 @@ class ThreadComm:
         out = combine(slots)
         barrier.wait()  # everyone has read the slots before the next collective writes them
         return out
-
-    def all_reduce(self, x):
-        return self._exchange(x, lambda xs: reduce(np.add, xs))
-
-    def all_gather(self, x):  # along the last axis (the lm_head's vocabulary)
-        return self._exchange(x, lambda xs: np.concatenate(xs, axis=-1))
 
 
 def check(size, config, backend, executor):
@@ -145,20 +149,18 @@ class StepAborted(Exception):
     """A worker's step given up: rank 0 failed (or another rank did) before the step's collectives were done."""
 
 
-class PipeComm:
-    """A worker rank's collectives: its share goes to rank 0 (RankProcesses), which combines them in rank order and
-    sends every rank the result."""
+class PipeComm(Collectives):
+    """A worker rank's collectives: its share goes to rank 0 (StarComm), which combines them and sends every rank the
+    result."""
     def __init__(self, conn, rank, size):
         self.conn, self.rank, self.size = conn, rank, size
 
-    def _exchange(self, x):
+    def _exchange(self, x, combine):  # (rank 0 combines)
         self.conn.send(("share", x))
         kind, result = self.conn.recv()
         if kind == "abort":
             raise StepAborted
         return result
-
-    all_reduce = all_gather = _exchange
 
 
 def worker(make_model, weights, kv_shape, conn, rank, size):
@@ -280,9 +282,9 @@ def stop_workers(conns, procs):
         conn.close()
 
 
-class StarComm:
+class StarComm(Collectives):
     """Rank 0's collectives among processes: each worker's share received (in rank order), combined, and sent back to
-    every worker: the sum (all-reduce) or the concatenation (all-gather)."""
+    every worker."""
     rank = 0
 
     def __init__(self, ranks):
@@ -294,9 +296,3 @@ class StarComm:
         for r in range(1, self.size):
             self.ranks.send(r, ("result", out))
         return out
-
-    def all_reduce(self, x):
-        return self._exchange(x, lambda xs: reduce(np.add, xs))
-
-    def all_gather(self, x):
-        return self._exchange(x, lambda xs: np.concatenate(xs, axis=-1))
