@@ -17,8 +17,9 @@ import numpy as np
 
 from checkpoint import SIZES, resolve_model
 from nanoinfer import LLM, Batch, SamplingParams
-from paged_kv import PagedKVCache
 from loadtest import server_load
+from paged_kv import PagedKVCache
+from sampling_params import log_softmax
 from roofline import Roofline, bench_kernels, print_matmul_plans
 
 # end to end, beside anchors measured in the same run
@@ -143,9 +144,7 @@ def quantization_lesson(size, model, copy_gbs, workloads, repeats, **engine):
     n, i32 = len(ids), lambda a: np.asarray(a, np.int32)
     batch = Batch(i32(ids), i32(range(n)), i32(range(n)), i32([0, n]), i32([n]), i32([range(-(-n // 16))]),
                   i32(range(n)))  # the prompt and its continuation, in the first free slots of each engine's pool
-    lp = {q: llm.backend.tohost(llm.model.forward(batch, llm.kv)).astype(np.float64) for q, llm in llms.items()}
-    lp = {q: a - a.max(-1, keepdims=True) - np.log(np.exp(a - a.max(-1, keepdims=True)).sum(-1, keepdims=True))
-          for q, a in lp.items()}  # log-softmax
+    lp = {q: log_softmax(llm.backend.tohost(llm.model.forward(batch, llm.kv))) for q, llm in llms.items()}
     kl = float((np.exp(lp[None]) * (lp[None] - lp["int8"])).sum(-1).mean())
     err = np.abs(lp["int8"] - lp[None]).max() / np.abs(lp[None]).max()
     agree = np.mean([a == b for a, b in zip(*(o.outputs[0].token_ids for o in outs.values()))])

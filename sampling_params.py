@@ -148,11 +148,16 @@ def refuse_bad(owner, checks):
             raise ValueError(f"{owner}.{name}={value!r}: must be {rule}")
 
 
+def log_softmax(logits):
+    """log p over the last axis, in float64."""
+    logp = logits.astype(np.float64) - logits.max(-1, keepdims=True)
+    return logp - np.log(np.exp(logp).sum(-1, keepdims=True))
+
+
 def logprobs_of(logits_row, token, k, tokenizer):
     """{token id: Logprob} for the sampled token and the k most likely, under the model's own distribution (before
     penalties, temperature, top-k and top-p), ranks counted from 1."""
-    logp = logits_row.astype(np.float64) - logits_row.max()
-    logp -= np.log(np.exp(logp).sum())
+    logp = log_softmax(logits_row)
     ties = np.flatnonzero(logp >= np.partition(logp, -k)[-k]) if k else np.zeros(0, int)  # the k largest, and ties
     ranks = {int(t): r + 1 for r, t in enumerate(ties[np.argsort(-logp[ties], kind="stable")][:k])}
     ranks.setdefault(token, int((logp > logp[token]).sum()) + 1)
