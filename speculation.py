@@ -110,8 +110,11 @@ class DraftModelProposer(Proposer):
         tables = self.kv.block_tables  # forget the sequences gone
         self.computed, self.fed = ({i: c for i, c in d.items() if i in tables} for d in (self.computed, self.fed))
         starts, j = [self._seen(s) for s in drafting], 0
+        # each asks for as many tokens as its draft has (a graph run of decode steps makes no more)
+        params = [dataclasses.replace(s.params, max_tokens=s.num_output + len(s.draft)) for s in drafting]
         while rows := [r for r, s in enumerate(drafting) if j < len(s.draft)]:  # those with draft tokens j, j + 1, ...
-            views = [view(drafting[r], starts[r] if j == 0 else len(drafting[r].token_ids) + j - 1, j) for r in rows]
+            views = [view(drafting[r], params[r], starts[r] if j == 0 else len(drafting[r].token_ids) + j - 1, j)
+                     for r in rows]
             tokens = self.draft_step(views)  # (steps, rows): a graph run of decode steps makes several at once
             for i, r in enumerate(rows):
                 for t, token in enumerate(tokens[:len(drafting[r].draft) - j, i]):
@@ -134,15 +137,13 @@ class DraftModelProposer(Proposer):
         return min(n, position + kept, len(seq.token_ids) - 1)
 
 
-def view(seq, start, j):
+def view(seq, params, start, j):
     """A sequence as the draft model sees it at draft token j: its tokens and its first j drafts (the draft model's
-    input), computing from `start`, sampling at token index num_output + j, with as many tokens left to make as its
-    draft has (a graph run makes no more). What nanoinfer.make_batch, sampling_arrays
-    and the runner read of a sequence (a drafting one has no log-probs and leaves its logits as they are)."""
+    input), computing from `start`, sampling at token index num_output + j, with `params`. What nanoinfer.make_batch,
+    sampling_arrays and the runner read of a sequence (a drafting one has no log-probs and leaves its logits as they
+    are)."""
     return types.SimpleNamespace(seq_id=seq.seq_id, token_ids=seq.token_ids + seq.draft[:j], num_computed=start,
-                                 draft=[], params=dataclasses.replace(seq.params, max_tokens=seq.num_output +
-                                                                      len(seq.draft)), seed=seq.seed,
-                                 num_output=seq.num_output + j,
+                                 draft=[], params=params, seed=seq.seed, num_output=seq.num_output + j,
                                  prompt_logprob_span=lambda n: None, logprobs=None, edits_logits=False,
                                  finish_reason=None)
 
