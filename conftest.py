@@ -272,7 +272,8 @@ _solo_cache = {}
 
 def solo(ckpt, dev, prompt, params):
     """The request's tokens run alone: its one sample's, or with n > 1 a list of each sample's."""
-    key = (dev, tuple(prompt), params.max_tokens, params.temperature, params.seed, params.n)
+    key = (dev, tuple(prompt), params.max_tokens, params.temperature, params.seed, params.n, params.repetition_penalty,
+           params.frequency_penalty)
     if key not in _solo_cache:
         if (dev, "llm") not in _solo_cache:
             _solo_cache[dev, "llm"] = make_llm(ckpt, dev)

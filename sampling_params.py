@@ -198,14 +198,16 @@ Penalties = namedtuple("Penalties", "rows ids output_counts banned repetition pr
 
 
 def penalties(seqs):
-    """The Penalties of the rows that sample (seqs), or None when none edits its logits."""
+    """The Penalties of the rows that sample (seqs), or None when none edits its logits. A speculating sequence's row
+    after j of its draft tokens sees them as its own (speculation.py): as plain decoding would, had it sampled them."""
     if not any(s.edits_logits for s in seqs):
         return None
-    entries = []  # (row, token, times in the output, banned, repetition penalty, bias)
+    entries, j = [], 0  # (row, token, times in the output, banned, repetition penalty, bias); the row's draft tokens
     for row, s in enumerate(seqs):
-        p, ban, bias = s.params, s.banned_tokens(), s.params.logit_bias or {}
-        in_output = Counter(s.output_token_ids) if p.presence_penalty or p.frequency_penalty else {}
-        seen = set(s.token_ids) if p.repetition_penalty != 1 else set(in_output)
+        j = j + 1 if row and seqs[row - 1] is s else 0
+        p, ban, bias = s.params, s.banned_tokens(ahead=j), s.params.logit_bias or {}
+        in_output = Counter(s.output_token_ids + s.draft[:j]) if p.presence_penalty or p.frequency_penalty else {}
+        seen = set(s.token_ids + s.draft[:j]) if p.repetition_penalty != 1 else set(in_output)
         entries += [(row, t, in_output.get(t, 0), t in ban, p.repetition_penalty if t in seen else 1, bias.get(t, 0))
                     for t in sorted(seen | ban | set(bias))]
     rows, ids, counts, banned = np.array([e[:4] for e in entries], np.int32).reshape(-1, 4).T.copy()  # (4, E)

@@ -85,10 +85,11 @@ class Sequence:
         return range(max(self.num_computed, len(self.prompt_logprobs) - 1),
                      min(self.num_computed + n, len(self.prompt_token_ids) - 1))
 
-    def banned_tokens(self):
-        """The tokens it may not sample now: its stop tokens (EOS too, unless ignored) until min_tokens are out."""
+    def banned_tokens(self, ahead=0):
+        """The tokens it may not sample now (ahead: after that many more): its stop tokens (EOS too, unless ignored)
+        until min_tokens are out."""
         p = self.params
-        if self.num_output >= p.min_tokens:
+        if self.num_output + ahead >= p.min_tokens:
             return set()
         return set(p.stop_token_ids) | (set() if p.ignore_eos else {self._tokenizer.eot_token})
 

@@ -11,8 +11,9 @@ sampled in its place, and that sampled token: 1 to k + 1 tokens for the weights 
 
 The tokens kept are the tokens plain decoding makes: each is drawn by the same race keyed by (seed, token index,
 token id), at the same index, from logits over the same tokens before it (a kept draft token is the token plain
-decoding sampled there). A rejected position's KV is never read: the next step writes that slot again. So whatever
-the draft, however wrong, only the speed changes.
+decoding sampled there), with the log-probs, penalties, bias and bans plain decoding gives that position (a row after
+j draft tokens counts them as its output: sampling_params.penalties). A rejected position's KV is never read: the
+next step writes that slot again. So whatever the draft, however wrong, only the speed changes.
 """
 import dataclasses
 import types
@@ -36,11 +37,8 @@ class Proposer:
 
     def room(self, seq, budget):
         """How many tokens seq may draft: at most k, the tokens it may still make but one, what fits the context,
-        and the step's token budget; none for a sequence that edits its logits or wants log-probs (kept exact and
-        simple)."""
+        and the step's token budget."""
         p = seq.params
-        if seq.edits_logits or p.logprobs is not None:
-            return 0
         return max(0, min(self.k, budget, p.max_tokens - seq.num_output - 1, self.n_ctx - len(seq.token_ids)))
 
     def fill(self, seqs):
@@ -111,7 +109,7 @@ class DraftModelProposer(Proposer):
         self.computed, self.fed = ({i: c for i, c in d.items() if i in tables} for d in (self.computed, self.fed))
         starts, j = [self._seen(s) for s in drafting], 0
         # each asks for as many tokens as its draft has (a graph run of decode steps makes no more)
-        params = [dataclasses.replace(s.params, max_tokens=s.num_output + len(s.draft)) for s in drafting]
+        params = [dataclasses.replace(s.params, max_tokens=s.num_output + len(s.draft), min_tokens=0) for s in drafting]
         while rows := [r for r, s in enumerate(drafting) if j < len(s.draft)]:  # those with draft tokens j, j + 1, ...
             views = [view(drafting[r], params[r], starts[r] if j == 0 else len(drafting[r].token_ids) + j - 1, j)
                      for r in rows]
@@ -140,8 +138,8 @@ class DraftModelProposer(Proposer):
 def view(seq, params, start, j):
     """A sequence as the draft model sees it at draft token j: its tokens and its first j drafts (the draft model's
     input), computing from `start`, sampling at token index num_output + j, with `params`. What nanoinfer.make_batch,
-    sampling_arrays and the runner read of a sequence (a drafting one has no log-probs and leaves its logits as they
-    are)."""
+    sampling_arrays and the runner read of a sequence (the draft model's logits, unedited: no log-probs, penalties or
+    bias; the target's verification applies the request's own)."""
     return types.SimpleNamespace(seq_id=seq.seq_id, token_ids=seq.token_ids + seq.draft[:j], num_computed=start,
                                  draft=[], params=params, seed=seq.seed, num_output=seq.num_output + j,
                                  prompt_logprob_span=lambda n: None, logprobs=None, edits_logits=False,

@@ -127,17 +127,19 @@ STRESS_EXAMPLES = int(os.environ.get("NANOINFER_STRESS_EXAMPLES", 20))  # raised
        speculate=st.sampled_from([None, None, ("ngram", 1), ("ngram", 3), ("tiny", 2), ("wide", 3)]))
 def test_stress_every_request_gets_its_solo_output(tiny, wide, dev, reqs, block_size, slack, max_batched, max_seqs,
                                                    speculate):
-    """Random requests (greedy or seeded sampling; a quarter with prompt log-probs; a third opening alike, for the
-    prefix cache; a fifth repeating themselves, for n-gram drafts; speculation on in 2 runs of 3: n-gram, k = 1 or 3, or
-    a draft model, the target itself or another, k = 2 or 3; on the CPU two tensor-parallel ranks when the first
-    request's seed is odd: as processes when it is 3 mod 4, else threads) arriving while others run, some aborted at a
-    random step, on random pools (down to the smallest that fits the largest request), block sizes and budgets: every
-    request finishes with its solo output (alone, no speculation, one rank; an aborted one: a prefix of it) and its
-    prompt log-probs (each prompt token's once, within 1e-4 of solo's), the allocator invariants hold after every step,
-    and no block leaks."""
+    """Random requests (greedy or seeded sampling; a quarter with prompt log-probs, some with log-probs or penalties; a
+    third opening alike, for the prefix cache; a fifth repeating themselves, for n-gram drafts; speculation on in 2 runs
+    of 3: n-gram, k = 1 or 3, or a draft model, the target itself or another, k = 2 or 3; on the CPU two tensor-parallel
+    ranks when the first request's seed is odd: as processes when it is 3 mod 4, else threads) arriving while others
+    run, some aborted at a random step, on random pools (down to the smallest that fits the largest request), block
+    sizes and budgets: every request finishes with its solo output (alone, no speculation, one rank; an aborted one: a
+    prefix of it) and its prompt log-probs (each prompt token's once, within 1e-4 of solo's), the allocator invariants
+    hold after every step, and no block leaks."""
     work = []
     for length, max_tokens, arrival, sampled, seed, abort, n in reqs:
-        extra = dict(n=n, prompt_logprobs=1 if seed % 4 == 0 else None)
+        extra = dict(n=n, prompt_logprobs=1 if seed % 4 == 0 else None, logprobs=1 if seed % 7 == 3 else None)
+        if seed % 6 == 5:  # penalties: a draft's rows count the draft tokens before them as output
+            extra.update(repetition_penalty=1.3, frequency_penalty=0.2)
         params = SamplingParams(seed=seed, **extra, **{**SAMPLED, "max_tokens": max_tokens}) if sampled else \
             greedy(max_tokens, **extra)
         ids = random_ids(length, seed)

@@ -351,12 +351,18 @@ def test_speculation_changes_no_token(tiny, wide, dev, method):
     """speculative_config, vLLM's two ways: n-gram drafts, and a draft model (the target itself: nearly every draft
     kept; or another GPT-2 of the same vocabulary and a longer context). On prompts that repeat themselves drafts are
     proposed and some kept, each request counting its own, and every output is plain decoding's, token for token:
-    greedy, seeded sampling (T 0.3), a stop string, n = 2, max_tokens edges, and a pool small enough to preempt;
-    every block is free after. A bad config is refused, naming what is wrong."""
+    greedy, seeded sampling (T 0.3), a stop string, n = 2, max_tokens edges, log-probs (within fp32's tolerance),
+    penalties, a logit bias and min_tokens (a draft token counts as output for the rows after it), and a pool small
+    enough to preempt; every block is free after. With batch_invariant=True the log-probs are bitwise plain decoding's.
+    A bad config is refused, naming what is wrong."""
     rng = np.random.default_rng(4)
-    prompts = [(lambda b: b * 3)(rng.integers(0, EOT, 8).tolist()) for _ in range(6)]
+    prompts = [(lambda b: b * 3)(rng.integers(0, EOT, 8).tolist()) for _ in range(9)]
     params = [greedy(30), SamplingParams(max_tokens=30, temperature=0.3, seed=9, ignore_eos=True),
-              greedy(30, n=2), greedy(1), greedy(2), SamplingParams(max_tokens=30, temperature=0, stop=["e"])]
+              greedy(30, n=2), greedy(1), greedy(2), SamplingParams(max_tokens=30, temperature=0, stop=["e"]),
+              greedy(30, logprobs=2),
+              SamplingParams(max_tokens=30, temperature=0.3, seed=2, repetition_penalty=1.2, frequency_penalty=0.3,
+                             presence_penalty=0.2, logprobs=0, ignore_eos=True),
+              SamplingParams(max_tokens=30, temperature=0, min_tokens=20, logit_bias={int(prompts[8][0]): 2.0})]
     spec = {"ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1},
             "draft model: the target": {"model": str(tiny.path), "num_speculative_tokens": 3},
             "draft model: another": {"model": str(wide.path), "num_speculative_tokens": 2}}[method]
@@ -366,13 +372,22 @@ def test_speculation_changes_no_token(tiny, wide, dev, method):
         outs = llm.generate(prompts, params, use_tqdm=False)
         assert [[c.token_ids for c in o.outputs] for o in outs] == [[c.token_ids for c in o.outputs] for o in plain]
         assert [o.outputs[0].text for o in outs] == [o.outputs[0].text for o in plain]
+        for a, b in zip(outs[6:8], plain[6:8]):
+            for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+                assert x.keys() == y.keys() and all(abs(x[t].logprob - y[t].logprob) < 1e-4 for t in x)
         s = llm.speculator
         assert s.proposed > s.accepted > 0, (s.proposed, s.accepted)
         assert (sum(o.num_draft_tokens for o in outs), sum(o.num_accepted_tokens for o in outs)) == (s.proposed,
                                                                                                      s.accepted)
-        if method == "draft model: the target":
-            assert s.accepted > 0.9 * s.proposed, (s.proposed, s.accepted)
+        if method == "draft model: the target":  # (its logits unedited: no penalties, bias or bans to apply)
+            unedited = [(o.num_draft_tokens, o.num_accepted_tokens) for o in outs[:7]]
+            assert sum(a for _, a in unedited) > 0.9 * sum(d for d, _ in unedited), unedited
         assert llm.kv.allocator.num_free() == llm.kv.num_blocks and (llm.scheduler.num_preemptions > 0) == bool(kw)
+    plain, outs = (make_llm(tiny, dev, batch_invariant=True, speculative_config=sc).generate(prompts[6:8], params[6:8],
+                                                                                            use_tqdm=False)
+                   for sc in (None, spec))
+    assert [[(c.token_ids, c.logprobs) for c in o.outputs] for o in outs] == \
+        [[(c.token_ids, c.logprobs) for c in o.outputs] for o in plain]
     for bad in ({"method": "draft"}, {"method": "ngram", "num_speculative_tokens": 0}, "ngram",
                 {"model": str(wide.path)}):
         with pytest.raises(ValueError, match="speculative_config"):
@@ -383,22 +398,20 @@ def test_ngram_drafts():
     """The n-gram draft: what followed the latest earlier occurrence of the longest suffix (prompt_lookup_max down to
     _min) that occurred, copied a token at a time so that an occurrence near the end runs on into the draft (a loop
     of d tokens goes on repeating); as long as the room allows (k, and max_tokens - 1 more tokens); none without a
-    match, or for a sequence that edits its logits or wants log-probs."""
+    match."""
     import types
     from speculation import NgramProposer
     ngram = NgramProposer({"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 3}, 1024)
 
-    def draft(ids, max_tokens=100, budget=100, **params):
-        p = types.SimpleNamespace(max_tokens=max_tokens, logprobs=params.get("logprobs"))
-        return ngram.propose(types.SimpleNamespace(token_ids=ids, params=p, num_output=0,
-                                                   edits_logits=params.get("edits", False)), budget)
+    def draft(ids, max_tokens=100, budget=100):
+        p = types.SimpleNamespace(max_tokens=max_tokens)
+        return ngram.propose(types.SimpleNamespace(token_ids=ids, params=p, num_output=0), budget)
     assert draft([9, 5, 6, 7, 8, 5, 6]) == [7, 8, 5, 6, 7]  # after "5 6": 7 8, then on into what it drafts
     assert draft([5, 6, 7, 1, 6, 7, 2, 6, 7]) == [2, 6, 7, 2, 6]  # the latest of two occurrences
     assert draft([4, 4, 4]) == [4] * 5 and draft([1, 2, 1, 2]) == [1, 2, 1, 2, 1]  # loops of 1 and 2
     assert draft([1, 2, 3, 7, 9, 3, 1, 2, 3]) == [7, 9, 3, 1, 2]  # "1 2 3" before "3" alone, though "3" is later
     assert draft([1, 2, 3]) == [] and draft([7]) == []  # no earlier occurrence
     assert draft([4, 4, 4], max_tokens=3) == [4, 4] and draft([4, 4, 4], budget=2) == [4, 4]
-    assert draft([4, 4, 4], edits=True) == [] and draft([4, 4, 4], logprobs=1) == []
 
 
 def test_a_draft_model_of_another_vocabulary_or_a_shorter_context_is_refused(tiny, tmp_path):
