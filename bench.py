@@ -276,7 +276,10 @@ def bench_gpu(path, repeats):
     copy = [rng.integers(0, 50000, 32).tolist() * 8]  # a prompt repeating itself: what n-gram drafts find
     lessons["speculative decoding (speculative_config), greedy, against plain decoding"] = speculation_lesson([
         ("n-gram, a prompt repeating itself, single stream", str(path), ngram, copy, 256, 4096),
+        ("n-gram, gpt2-xl, a prompt repeating itself", "random:gpt2-xl", ngram, copy, 128, 4096),
         ("n-gram, 256 of them", str(path), ngram, copy * 256, 128, 110_000),
+        ("n-gram, 256 of them, drafting once at most 16 run (disable_by_batch_size)", str(path),
+         {**ngram, "disable_by_batch_size": 16}, copy * 256, 128, 110_000),
         ("gpt2 drafting itself, single stream", str(path), by_gpt2, one, 256, 4096),
         ("gpt2 drafting gpt2-xl, single stream", "random:gpt2-xl", by_gpt2, one, 128, 4096)], repeats, device="cuda")
     lessons["sampling (T 0.8, top-k 50, top-p 0.95) against greedy, tok/s"] = a_against_b(

@@ -446,7 +446,7 @@ class LLM:
         self.runner = ModelRunner(self.model, self.kv, cuda_graphs, num_scheduler_steps, max_num_seqs,
                                   self.speculator and self.speculator.k + 1)  # a graph for a verification chunk
         self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens, self.runner.admission_group,
-                                   self.speculator and self.speculator.propose)
+                                   self.speculator)
         self._rng = np.random.default_rng(seed)  # seeds for requests that bring none
         self._next_id = 0
         self._requests = {}  # request id -> Request, until its last event
@@ -523,8 +523,9 @@ class LLM:
                 # (steps, R) new tokens; (R, V) logits for logprobs. A graph run launches the next one before its
                 # tokens are read, unless a request waits to come in (the next step admits it, eagerly) or the next
                 # step may verify a draft (it would drop that run: a draft is made from the tokens the host has)
+                drafts_next = self.speculator and self.speculator.active(len(self.scheduler.running))
                 tokens, logits = self.runner.run(batch, seqs, launch_next=not (self.scheduler.wants_admission() or
-                                                                               self.speculator))
+                                                                               drafts_next))
                 for seq, n in scheduled:
                     seq.num_computed += n  # their K/V are in the cache now
                 add_prompt_logprobs(prompt_rows, logits, len(seqs), self.tokenizer)

@@ -192,10 +192,10 @@ class Request:
 
 
 class Scheduler:
-    def __init__(self, kv, max_num_seqs, max_num_batched_tokens, admission_group=1, propose=None):
+    def __init__(self, kv, max_num_seqs, max_num_batched_tokens, admission_group=1, speculator=None):
         self.kv, self.max_num_seqs, self.max_num_batched_tokens = kv, max_num_seqs, max_num_batched_tokens
         self.admission_group = admission_group
-        self.propose = propose  # seq, budget -> its draft (speculative decoding), or None
+        self.speculator = speculator  # speculation.py's proposer (propose, active), or None
         self.waiting = deque()
         self.running = []  # in admission order: the last one is the newest
         self.num_preemptions = 0
@@ -219,12 +219,13 @@ class Scheduler:
         decodes = [s for s in self.running if s.num_uncomputed == 1]
         prefills = [s for s in self.running if s.num_uncomputed > 1]
         preempted = set()
+        drafting = self.speculator is not None and self.speculator.active(len(self.running))
         for seq in decodes + prefills:
             if budget == 0:
                 break
             if seq in preempted:
                 continue
-            seq.draft = self.propose(seq, budget - 1) if self.propose and seq.num_uncomputed == 1 else []
+            seq.draft = self.speculator.propose(seq, budget - 1) if drafting and seq.num_uncomputed == 1 else []
             n = min(seq.num_uncomputed + len(seq.draft), budget)
             while not self._fits(seq, seq.num_computed + n):
                 victim = next(s for s in reversed(self.running) if s not in scheduled)

@@ -21,19 +21,26 @@ import types
 import numpy as np
 
 FORMS = ('{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 1} or '
-         '{"model": a GPT-2 name or directory, "num_speculative_tokens": k}')
+         '{"model": a GPT-2 name or directory, "num_speculative_tokens": k}, either with "disable_by_batch_size": N')
 
 
 class Proposer:
-    """What both ways share: k, the room a sequence has for a draft, and vLLM's counters (draft tokens the target
-    verified, and those it kept)."""
+    """What both ways share: k, the room a sequence has for a draft, when to draft at all, and vLLM's counters (draft
+    tokens the target verified, and those it kept)."""
     def __init__(self, config, n_ctx):
         if not isinstance(config, dict):
             raise ValueError(f"speculative_config={config!r}: a dict, vLLM's: {FORMS}")
-        self.k = config.get("num_speculative_tokens")
+        self.k, self.max_batch = config.get("num_speculative_tokens"), config.get("disable_by_batch_size")
         if not isinstance(self.k, int) or self.k < 1:
             raise ValueError(f"speculative_config={config!r}: num_speculative_tokens is an integer >= 1")
+        if self.max_batch is not None and (not isinstance(self.max_batch, int) or self.max_batch < 1):
+            raise ValueError(f"speculative_config={config!r}: disable_by_batch_size is an integer >= 1 (or absent)")
         self.n_ctx, self.proposed, self.accepted = n_ctx, 0, 0
+
+    def active(self, batch):
+        """Whether a step of `batch` running sequences drafts (vLLM's disable_by_batch_size): a large batch's step
+        already reads each weight for many tokens, and its verification chunks cost more than drafts save."""
+        return self.max_batch is None or batch <= self.max_batch
 
     def room(self, seq, budget):
         """How many tokens seq may draft: at most k, the tokens it may still make but one, what fits the context,

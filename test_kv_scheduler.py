@@ -124,17 +124,18 @@ STRESS_EXAMPLES = int(os.environ.get("NANOINFER_STRESS_EXAMPLES", 20))  # raised
 @given(reqs=st.lists(REQUEST, min_size=2, max_size=6), block_size=st.sampled_from([1, 4, 16, 32]),
        slack=st.sampled_from([0, 0, 1, 16, 64]), max_batched=st.sampled_from([3, 8, 32, 2048]),
        max_seqs=st.sampled_from([1, 2, 256]),
-       speculate=st.sampled_from([None, None, ("ngram", 1), ("ngram", 3), ("tiny", 2), ("wide", 3)]))
+       speculate=st.sampled_from([None, None, ("ngram", 1, None), ("ngram", 3, None), ("ngram", 3, 2), ("tiny", 2, None),
+                                  ("wide", 3, None)]))
 def test_stress_every_request_gets_its_solo_output(tiny, wide, dev, reqs, block_size, slack, max_batched, max_seqs,
                                                    speculate):
     """Random requests (greedy or seeded sampling; a quarter with prompt log-probs, some with log-probs or penalties; a
-    third opening alike, for the prefix cache; a fifth repeating themselves, for n-gram drafts; speculation on in 2 runs
-    of 3: n-gram, k = 1 or 3, or a draft model, the target itself or another, k = 2 or 3; on the CPU two tensor-parallel
-    ranks when the first request's seed is odd: as processes when it is 3 mod 4, else threads) arriving while others
-    run, some aborted at a random step, on random pools (down to the smallest that fits the largest request), block
-    sizes and budgets: every request finishes with its solo output (alone, no speculation, one rank; an aborted one: a
-    prefix of it) and its prompt log-probs (each prompt token's once, within 1e-4 of solo's), the allocator invariants
-    hold after every step, and no block leaks."""
+    third opening alike, for the prefix cache; a fifth repeating themselves, for n-gram drafts; speculation on in 5 runs
+    of 7: n-gram, k = 1 or 3 (once drafting only while at most 2 run), or a draft model, the target itself or another,
+    k = 2 or 3; on the CPU two tensor-parallel ranks when the first request's seed is odd: as processes when it is
+    3 mod 4, else threads) arriving while others run, some aborted at a random step, on random pools (down to the
+    smallest that fits the largest request), block sizes and budgets: every request finishes with its solo output
+    (alone, no speculation, one rank; an aborted one: a prefix of it) and its prompt log-probs (each prompt token's
+    once, within 1e-4 of solo's), the allocator invariants hold after every step, and no block leaks."""
     work = []
     for length, max_tokens, arrival, sampled, seed, abort, n in reqs:
         extra = dict(n=n, prompt_logprobs=1 if seed % 4 == 0 else None, logprobs=1 if seed % 7 == 3 else None)
@@ -149,9 +150,11 @@ def test_stress_every_request_gets_its_solo_output(tiny, wide, dev, reqs, block_
             ids = (ids[:max(1, length // 3)] * 3)[:length]
         work.append((arrival, ids, params, abort))
     biggest = max(-(-(len(p) + q.max_tokens) // block_size) for _, p, q, _ in work) * block_size
-    method, k = speculate or (None, 0)
+    method, k, max_batch = speculate or (None, 0, None)
     spec = None if not k else {"method": "ngram", "num_speculative_tokens": k} if method == "ngram" else \
         {"model": str({"tiny": tiny, "wide": wide}[method].path), "num_speculative_tokens": k}
+    if max_batch:
+        spec["disable_by_batch_size"] = max_batch
     llm = make_llm(tiny, dev, block_size=block_size, num_kv_tokens=biggest + slack,
                    max_num_batched_tokens=max_batched, max_num_seqs=max_seqs, speculative_config=spec,
                    tensor_parallel_size=1 + reqs[0][4] % 2 if dev.device == "cpu" else 1,

@@ -389,7 +389,7 @@ def test_speculation_changes_no_token(tiny, wide, dev, method):
     assert [[(c.token_ids, c.logprobs) for c in o.outputs] for o in outs] == \
         [[(c.token_ids, c.logprobs) for c in o.outputs] for o in plain]
     for bad in ({"method": "draft"}, {"method": "ngram", "num_speculative_tokens": 0}, "ngram",
-                {"model": str(wide.path)}):
+                {"model": str(wide.path)}, {"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}):
         with pytest.raises(ValueError, match="speculative_config"):
             make_llm(tiny, dev, speculative_config=bad)
 
@@ -412,6 +412,28 @@ def test_ngram_drafts():
     assert draft([1, 2, 3, 7, 9, 3, 1, 2, 3]) == [7, 9, 3, 1, 2]  # "1 2 3" before "3" alone, though "3" is later
     assert draft([1, 2, 3]) == [] and draft([7]) == []  # no earlier occurrence
     assert draft([4, 4, 4], max_tokens=3) == [4, 4] and draft([4, 4, 4], budget=2) == [4, 4]
+
+
+def test_speculation_waits_for_a_small_batch(tiny):
+    """speculative_config's disable_by_batch_size (vLLM's): a step of more running sequences than it drafts nothing;
+    as requests finish and the batch shrinks to it, drafting starts; every output is plain decoding's."""
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, EOT, 6).tolist() * 3 for _ in range(4)]
+    params = [greedy(n) for n in (6, 12, 24, 40)]
+    plain = make_llm(tiny, CPU).generate(prompts, params, use_tqdm=False)
+    llm = make_llm(tiny, CPU, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                  "disable_by_batch_size": 2})
+    steps, schedule = [], llm.scheduler.schedule
+
+    def logged(**kw):
+        running, scheduled = len(llm.scheduler.running), schedule(**kw)
+        steps.append((running, sum(len(seq.draft) for seq, _ in scheduled)))
+        return scheduled
+    llm.scheduler.schedule = logged
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    assert all(drafts == 0 for running, drafts in steps if running > 2)
+    assert any(drafts > 0 for running, drafts in steps if running <= 2) and llm.speculator.proposed > 0
 
 
 def test_a_draft_model_of_another_vocabulary_or_a_shorter_context_is_refused(tiny, tmp_path):
