@@ -190,10 +190,16 @@ class ChunkGraph:
         host, self.layout, _ = pack_batch(self.padded(types.SimpleNamespace(
             input_ids=[0], positions=[0], slot_mapping=[-1], context_lens=[1], block_tables=np.zeros((1, 1)),
             logits_idx=[0], cu_seqlens_q=[0, 1]))[0], self.min_q)
+        # the inputs in one buffer (one copy a replay): the batch as pack_batch lays it out, then the sampling fields
+        # (seed first: 8-byte aligned after pack_batch's 16-byte steps), a row each sampled row (seed two int32s)
+        names = sorted(DecodeGraph.SAMPLING, key=lambda f: f != "seed")
+        sizes = [B * samples * (2 if f == "seed" else 1) for f in names]
+        starts = len(host) + np.cumsum([0] + sizes)
         with stream:
-            self.dev_buffer = cp.asarray(host)
-            batch = device_batch_of(self.dev_buffer, self.layout, n_ctx + T)
-            self.sampling = {f: cp.zeros(B * samples, DecodeGraph.TYPES.get(f, np.int32)) for f in DecodeGraph.SAMPLING}
+            self.dev_buffer = cp.asarray(np.concatenate([host, np.zeros(starts[-1] - len(host), np.int32)]))
+            batch = device_batch_of(self.dev_buffer[:len(host)], self.layout, n_ctx + T)
+            self.sampling = {f: self.dev_buffer[a:a + n].view(DecodeGraph.TYPES.get(f, np.int32))
+                             for f, a, n in zip(names, starts.tolist(), sizes)}
             self.tokens = cp.zeros(B * samples, np.int32)  # where every replay leaves the sampled tokens (no pool)
 
             def step():
@@ -227,15 +233,15 @@ class ChunkGraph:
             context_lens=np.concatenate([np.asarray(batch.context_lens) + T - n, np.full(self.B - S, T)])), slots
 
     def run(self, batch, sampling):
-        """(1, rows that sample) tokens: the inputs copied in (one copy, and one per sampling field), a replay."""
+        """(1, rows that sample) tokens: the inputs copied in (one copy), a replay."""
         host_batch, slots = self.padded(batch)
-        host, _, _ = pack_batch(host_batch, self.min_q)
-        self.dev_buffer.set(host, stream=self.stream)
+        host = [pack_batch(host_batch, self.min_q)[0]]
         for f, a in self.sampling.items():
             values = np.asarray(getattr(sampling, f), a.dtype)
             field = np.full(len(a), values[-1], a.dtype)  # rows no one samples: anything
             field[slots] = values
-            a.set(field, stream=self.stream)
+            host.append(field.view(np.int32))
+        self.dev_buffer.set(np.concatenate(host), stream=self.stream)
         self.graph.launch(self.stream)
         return self.tokens.get(stream=self.stream)[None, slots].astype(np.int64)
 
