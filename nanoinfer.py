@@ -25,9 +25,9 @@ from checkpoint import Int8Weight, Tokenizer, load_config, load_weights, quantiz
 from paged_kv import PagedKVCache
 from sampling_params import (CompletionOutput, Logprob, Penalties, RequestOutput, SamplingParams, as_lists,  # noqa
                              add_prompt_logprobs, check_engine_arguments, logprobs_of, penalties, refuse_request,
-                             sample_seed)  # (API)
+                             sample_seed, token_indices)  # (API)
 from scheduler import Request, Scheduler, Sequence
-from speculation import DraftModelProposer, NgramProposer, draft_row, token_indices
+from speculation import DraftModelProposer, NgramProposer, draft_row
 
 # -----------------------------------------------------------------------------
 # the numpy backend: the readable definition of every op, the reference in tests, and a CPU engine

@@ -197,14 +197,23 @@ def as_lists(prompts, params):
 Penalties = namedtuple("Penalties", "rows ids output_counts banned repetition presence frequency bias")
 
 
+def token_indices(seqs):
+    """The sampler's token index for each row (seqs: a sequence per row): its output count, and on the rows of its
+    draft, one more each, the indices plain decoding would sample those positions at."""
+    out = [s.num_output for s in seqs]
+    for r in range(1, len(seqs)):
+        out[r] = out[r - 1] + 1 if seqs[r] is seqs[r - 1] else out[r]
+    return out
+
+
 def penalties(seqs):
     """The Penalties of the rows that sample (seqs), or None when none edits its logits. A speculating sequence's row
     after j of its draft tokens sees them as its own (speculation.py): as plain decoding would, had it sampled them."""
     if not any(s.edits_logits for s in seqs):
         return None
-    entries, j = [], 0  # (row, token, times in the output, banned, repetition penalty, bias); the row's draft tokens
-    for row, s in enumerate(seqs):
-        j = j + 1 if row and seqs[row - 1] is s else 0
+    entries = []  # (row, token, times in the output, banned, repetition penalty, bias)
+    for row, (s, index) in enumerate(zip(seqs, token_indices(seqs))):
+        j = index - s.num_output  # the draft tokens before this row
         p, ban, bias = s.params, s.banned_tokens(ahead=j), s.params.logit_bias or {}
         in_output = Counter(s.output_token_ids + s.draft[:j]) if p.presence_penalty or p.frequency_penalty else {}
         seen = set(s.token_ids + s.draft[:j]) if p.repetition_penalty != 1 else set(in_output)

@@ -153,15 +153,6 @@ def view(seq, params, start, j):
                                  finish_reason=None)
 
 
-def token_indices(seqs):
-    """The sampler's token index for each row (seqs: a sequence per row): its output count, and on the rows of its
-    draft, one more each, the indices plain decoding would sample those positions at."""
-    out = [s.num_output for s in seqs]
-    for r in range(1, len(seqs)):
-        out[r] = out[r - 1] + 1 if seqs[r] is seqs[r - 1] else out[r]
-    return out
-
-
 def draft_row(seqs, row, drafted, proposer):
     """Which row of its sequence's draft `row` is, j (0: its last token's, or a sequence without a draft), or None
     when the token sampled there does not count: a draft token before it was not the token sampled in its place (or
