@@ -10,10 +10,17 @@ it stays under 1e-4 in fp32 and under 1e-2 in fp16 (TOL below), and a NaN is nev
 
 Test files import the plain helpers from here (`from conftest import ...`); fixtures need no import.
 """
+import os
+
+if os.environ.get("PYTEST_XDIST_WORKER"):  # before numpy and torch start their thread pools
+    # each xdist worker one BLAS / OpenMP thread: N workers, each with a pool as wide as the machine, oversubscribe
+    # it (on the H200's 16-core host, with 14 workers, the emulated-GPU stress test ran 14x slower and hit the guard)
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(var, "1")
+
 import importlib.resources
 import json
 import math
-import os
 import shutil
 import signal
 import socket
