@@ -13,8 +13,8 @@ Test files import the plain helpers from here (`from conftest import ...`); fixt
 import os
 
 if os.environ.get("PYTEST_XDIST_WORKER"):  # before numpy and torch start their thread pools
-    # each xdist worker one BLAS / OpenMP thread: N workers, each with a pool as wide as the machine, oversubscribe
-    # it (on the H200's 16-core host, with 14 workers, the emulated-GPU stress test ran 14x slower and hit the guard)
+    # each xdist worker one BLAS / OpenMP thread: N workers, each with pools as wide as the machine, oversubscribe it,
+    # and the CPU-heavy tests crawl past hang_guard's limit (NOTES, Tests)
     for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ.setdefault(var, "1")
 
