@@ -28,7 +28,7 @@ import subprocess
 import sys
 import threading
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -279,8 +279,7 @@ _solo_cache = {}
 
 def solo(ckpt, dev, prompt, params):
     """The request's tokens run alone: its one sample's, or with n > 1 a list of each sample's."""
-    key = (dev, tuple(prompt), params.max_tokens, params.temperature, params.seed, params.n, params.repetition_penalty,
-           params.frequency_penalty)
+    key = (dev, tuple(prompt), repr(replace(params, logprobs=None, prompt_logprobs=None)))  # all that sets its tokens
     if key not in _solo_cache:
         if (dev, "llm") not in _solo_cache:
             _solo_cache[dev, "llm"] = make_llm(ckpt, dev)
