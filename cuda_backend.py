@@ -121,6 +121,7 @@ def launch_dependent(kernel, grid, block, args, shared_mem):
 SPLITK_SCRATCH = 1 << 22  # floats of split-K partial sums (16 MB), enough for every GPT-2 decode shape
 GEMV_LIGHT = 8 << 20  # matrices up to this many bytes take the lighter gemv: room on the SM for the next kernel
 SKINNY_MAX_M = 8  # decode batches up to this many rows stream the weights through matmul_skinny
+SKINNY_BLOCKS_PER_SM = 6  # ... their K split until the SMs hold this many blocks each (more loads in flight)
 PREFILL_MIN_Q = 16  # fp16 sequences with this many queries in a step use the tensor-core prefill attention
 INVARIANT_SPLITS = 16  # batch-invariant attention: a row of L keys always in min(16, L/32) splits, whatever the batch
 
@@ -172,7 +173,7 @@ def plan_matmul(M, N, K, ln, dtype, num_sms, invariant=False, int8=False):
         return MatmulPlan(f"matmul_gemv<{weight},{R}>", (cdiv(cdiv(N, rows_per_warp), 8), 1, 1), 256, K * 2,
                           ln_fused=ln, rows_per_warp=rows_per_warp)
     if M <= SKINNY_MAX_M:  # small decode batches: 16 rows of w per block through the tensor cores, K split >= 16 ways
-        splits, k_per_split = split_k(cdiv(N, 16), 2, K, cdiv(K, 64) // 16, M * N, num_sms)
+        splits, k_per_split = split_k(cdiv(N, 16), SKINNY_BLOCKS_PER_SM, K, cdiv(K, 64) // 16, M * N, num_sms)
         return MatmulPlan(f"matmul_skinny<{weight}>", (cdiv(N, 16), splits, 1), 128, 0, splits, k_per_split)
     # matmul_tc (wgmma). Prefill whose 128 x 128 tiles fill the SMs: 3 stages, two blocks per SM. Fewer tiles than SMs:
     # a block has its SM alone, so more stages; 128-row tiles while 64-row ones would fill the SMs. Decode batches of
