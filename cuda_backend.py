@@ -215,6 +215,12 @@ def plan_attention(cu_seqlens_q, context_lens, min_q):
                 tile_q0=tile_q0[order])
 
 
+def prefill_splits(blocks, num_sms):
+    """attention_prefill's key splits for `blocks` (query tile, head) pairs: enough for two blocks an SM, at most 8 (a
+    split walks its tiles' keys alone; the merge reads every split's outputs again)."""
+    return max(1, min(cdiv(2 * num_sms, blocks), 8))
+
+
 def pack_batch(batch, min_q):
     """The batch's int32 arrays and attention plan (plan_attention) in one host buffer, each at a 16-byte step: the
     buffer, the layout {field: (start, shape)} device_batch_of reads it by, and the longest attention row's keys."""
@@ -453,11 +459,15 @@ class CudaBackend:
         out = self.empty((T, H, D))
         common = (batch.block_tables, np.int32(batch.block_tables.shape[1]), np.int32(k_cache.shape[1]))
         scale_log2 = np.float32(scale * math.log2(math.e))
-        if batch.n_tiles:
-            self.launch("attention_prefill", (batch.n_tiles, H), (128,),
+        if batch.n_tiles:  # each tile's keys in nsplit splits when few tiles would leave SMs idle (not batch-invariant)
+            nsplit = prefill_splits(batch.n_tiles * H, self.num_sms) if not self.batch_invariant else 1
+            part_o = cp.empty(batch.n_tiles * 64 * H * nsplit * 64 if nsplit > 1 else 0, np.float32)
+            part_lse = cp.empty(batch.n_tiles * 64 * H * nsplit if nsplit > 1 else 0, np.float32)
+            self.launch("attention_prefill", (batch.n_tiles, H, nsplit), (128,),
                         (q, np.int32(qs), k_cache, v_cache) + common + (batch.cu_seqlens_q, batch.context_lens,
                                                                         batch.tile_seq, batch.tile_q0, np.int32(H),
-                                                                        scale_log2, out))
+                                                                        scale_log2, out, part_o, part_lse,
+                                                                        self._counters))
         if batch.n_rows:  # flash-decoding: ~4 blocks per SM, >= 32 keys and <= 32 splits (the merge keeps their LSEs);
             # batch-invariant (fp32): a fixed count, so a row's splits follow its own length alone
             nsplit = INVARIANT_SPLITS if self.batch_invariant else \

@@ -769,11 +769,16 @@ __device__ __forceinline__ unsigned pack_half2(float lo, float hi) {
 // 9. attention_prefill: causal FlashAttention-2 (fp16, head_dim 64) for (chunked) prefill query tiles over the paged KV
 // cache. A block: 64 queries of one (sequence, head), 4 warps x 16; K, V stream by 64 rows via shared memory (cp.async,
 // 2 buffers, by block table). S = QK^T, O += PV on tensor cores; online softmax keeps S in registers. Compute-bound
-// (long prompts): 4*64 FLOPs per (query, visible key, head); Q, O once, K, V once per query tile (mostly L2).
+// (long prompts): 4*64 FLOPs per (query, visible key, head); Q, O once, K, V once per query tile (mostly L2). Few tiles
+// over a long context (a prompt's last chunk after a cached prefix: 2 tiles x 25 heads for 1,000 keys) would leave
+// most SMs idle while each block walks every key tile: then the key tiles are split between gridDim.z blocks, merged
+// as attention_decode merges its splits (normalised outputs and log-sum-exps, the last block to arrive combining):
+// 2*4*64*nsplit bytes more a (query, head): each split's fp32 output written, then read back from L2.
 extern "C" __global__ void __launch_bounds__(128) attention_prefill(
     const half* __restrict__ q, int q_stride, const half* __restrict__ k_cache, const half* __restrict__ v_cache,
     const int* block_tables, int max_blocks, int block_size, const int* cu_seqlens_q, const int* context_lens,
-    const int* tile_seq, const int* tile_q0, int H, float scale_log2, half* out) {
+    const int* tile_seq, const int* tile_q0, int H, float scale_log2, half* out, float* part_o, float* part_lse,
+    int* counters) {
     wait_for_inputs();
     constexpr int BQ = 64, BKV = 64, D = 64, LD = D + 8;  // 144-byte rows: ldmatrix without bank conflicts
     __shared__ __align__(16) half Qs[BQ * LD];
@@ -784,6 +789,10 @@ extern "C" __global__ void __launch_bounds__(128) attention_prefill(
     const int q_begin = cu_seqlens_q[s], n_q = cu_seqlens_q[s + 1] - q_begin, ctx = context_lens[s];
     const int pos0 = ctx - n_q + q0;                          // position of the tile's first query
     const int n_tiles = min(pos0 + BQ - 1, ctx - 1) / BKV + 1;  // key tiles up to the last visible key
+    const int asked = min((int)gridDim.z, n_tiles), chunk = (n_tiles + asked - 1) / asked;  // key tiles a split
+    const int nsplit = (n_tiles + chunk - 1) / chunk, split = blockIdx.z;  // so that no split is left empty
+    if (split >= nsplit) return;
+    const int kt_begin = split * chunk, kt_end = min(n_tiles, kt_begin + chunk);  // this block's key tiles
     const int* table = block_tables + (long)s * max_blocks;
 
     for (int c = tid; c < BQ * 8; c += 128) {
@@ -801,17 +810,17 @@ extern "C" __global__ void __launch_bounds__(128) attention_prefill(
             cp_async16(smem_addr(&Vs[buf][r * LD + col]), v_cache + off, ok);
         }
     };
-    load_kv(0, 0);
+    load_kv(kt_begin & 1, kt_begin);
     cp_async_commit();
 
     float o[8][4] = {}, m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
     unsigned qf[4][4];
-    for (int kt = 0; kt < n_tiles; kt++) {
-        if (kt + 1 < n_tiles) load_kv((kt + 1) & 1, kt + 1);
+    for (int kt = kt_begin; kt < kt_end; kt++) {
+        if (kt + 1 < kt_end) load_kv((kt + 1) & 1, kt + 1);
         cp_async_commit();
         cp_async_wait<1>();
         __syncthreads();
-        if (kt == 0)
+        if (kt == kt_begin)
             for (int d = 0; d < 4; d++)
                 ldmatrix_x4(qf[d], smem_addr(&Qs[(warp * 16 + (lane & 15)) * LD + d * 16 + (lane >> 4) * 8]));
         const half *ks = Ks[kt & 1], *vs = Vs[kt & 1];
@@ -838,14 +847,14 @@ extern "C" __global__ void __launch_bounds__(128) attention_prefill(
                 }
             mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 1));
             mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 2));
-            // key 0 is visible to every query, so mx is finite from the first tile on
-            const float corr = exp2f(m[hf] - mx);
+            // a split after the first may hold no key a query sees yet (mx -inf): then every p and corr is 0, not NaN
+            const float ms = mx == NEG_INF ? 0.f : mx, corr = exp2f(m[hf] - ms);
             m[hf] = mx;
             l[hf] *= corr;
             UNROLL for (int dt = 0; dt < 8; dt++) { o[dt][2 * hf] *= corr; o[dt][2 * hf + 1] *= corr; }
             UNROLL for (int nt = 0; nt < 8; nt++)
                 UNROLL for (int e = 0; e < 2; e++) {
-                    float p = exp2f(sc[nt][2 * hf + e] - mx);
+                    float p = exp2f(sc[nt][2 * hf + e] - ms);
                     sc[nt][2 * hf + e] = p;
                     l[hf] += p;
                 }
@@ -868,12 +877,40 @@ extern "C" __global__ void __launch_bounds__(128) attention_prefill(
         float sum = l[hf];
         sum += __shfl_xor_sync(FULL_MASK, sum, 1);
         sum += __shfl_xor_sync(FULL_MASK, sum, 2);
-        const int qi = q0 + warp * 16 + g + hf * 8;
+        const int r = warp * 16 + g + hf * 8, qi = q0 + r;
         if (qi >= n_q) continue;
-        half* dst = out + ((long)(q_begin + qi) * H + h) * D + 2 * t;
+        if (nsplit == 1) {
+            half* dst = out + ((long)(q_begin + qi) * H + h) * D + 2 * t;
+            UNROLL for (int dt = 0; dt < 8; dt++)
+                *reinterpret_cast<half2*>(dst + dt * 8) = __floats2half2_rn(o[dt][2 * hf] / sum, o[dt][2 * hf + 1] / sum);
+            continue;
+        }
+        const long pi = (((long)blockIdx.x * BQ + r) * H + h) * gridDim.z + split;  // (tile row, head, split)
+        const float inv = sum > 0.f ? 1.f / sum : 0.f;
         UNROLL for (int dt = 0; dt < 8; dt++)
-            *reinterpret_cast<half2*>(dst + dt * 8) = __floats2half2_rn(o[dt][2 * hf] / sum, o[dt][2 * hf + 1] / sum);
+            *reinterpret_cast<float2*>(&part_o[pi * D + dt * 8 + 2 * t]) = make_float2(o[dt][2 * hf] * inv, o[dt][2 * hf + 1] * inv);
+        if (t == 0) part_lse[pi] = sum > 0.f ? m[hf] + log2f(sum) : NEG_INF;
     }
+    if (nsplit == 1 || !last_to_arrive(&counters[blockIdx.x * H + h], nsplit)) return;
+    // the merge: a thread a (row, 32 of its 64 outputs), a split's 32 values loaded at once (8 x 16 bytes in flight)
+    const int r = tid >> 1, d0 = (tid & 1) * 32;
+    if (q0 + r >= n_q) return;
+    const long base = (((long)blockIdx.x * BQ + r) * H + h) * gridDim.z;
+    float lse[8], mx = NEG_INF, L = 0.f, acc[32] = {};
+    UNROLL for (int sp = 0; sp < 8; sp++) mx = fmaxf(mx, lse[sp] = sp < nsplit ? __ldcg(&part_lse[base + sp]) : NEG_INF);
+    UNROLL for (int sp = 0; sp < 8; sp++) {  // split 0 sees key 0, so mx is finite
+        if (sp >= nsplit) break;
+        const float c = exp2f(lse[sp] - mx);
+        const float4* src = reinterpret_cast<const float4*>(&part_o[(base + sp) * D + d0]);
+        float4 v[8];
+        UNROLL for (int i = 0; i < 8; i++) v[i] = __ldcg(src + i);
+        L += c;
+        UNROLL for (int i = 0; i < 8; i++) {
+            acc[4 * i] += c * v[i].x; acc[4 * i + 1] += c * v[i].y; acc[4 * i + 2] += c * v[i].z; acc[4 * i + 3] += c * v[i].w;
+        }
+    }
+    half2* dst = reinterpret_cast<half2*>(out + ((long)(q_begin + q0 + r) * H + h) * D + d0);
+    UNROLL for (int i = 0; i < 16; i++) dst[i] = __floats2half2_rn(acc[2 * i] / L, acc[2 * i + 1] / L);
 }
 
 // 10. penalize: NumpyBackend.penalize, a thread per (row, token) entry, each pair listed once (no two threads write

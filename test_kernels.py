@@ -238,9 +238,12 @@ ATTENTION_CASES = {
 def test_attention(be, case):
     """Causal attention over block tables for one flat batch: decode, prefill, chunked prefill and mixes, with
     contexts at and around block edges; q, k and v are strided views into qkv. This step's k and v land in the
-    cache exactly (decode writes them from inside the attention kernel, the rest with cache_write first)."""
+    cache exactly (decode writes them from inside the attention kernel, the rest with cache_write first). The
+    prefill cases have few query tiles, so attention_prefill splits their keys (and merges the splits)."""
     dt, H = be.dtype.type, 12
     batch, qkv, kc, vc = make_batch(ATTENTION_CASES[case], dt, rng, H=H)
+    tiles = len(cuda_backend.plan_attention(batch.cu_seqlens_q, batch.context_lens, be.tile_min_q)["tile_seq"])
+    assert not tiles or cuda_backend.prefill_splits(tiles * H, be.num_sms) > 1, "the split path goes untested"
     scale = 1 / math.sqrt(64)
     qkv_gpu, kc_gpu, vc_gpu = to_gpu(qkv, dt), to_gpu(kc, dt), to_gpu(vc, dt)
     out = be.attention(*(heads(qkv_gpu, j, H) for j in range(3)), kc_gpu, vc_gpu, be.to_device(batch), scale)
