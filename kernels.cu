@@ -896,7 +896,7 @@ extern "C" __global__ void __launch_bounds__(128) attention_prefill(
     const int r = tid >> 1, d0 = (tid & 1) * 32;
     if (q0 + r >= n_q) return;
     const long base = (((long)blockIdx.x * BQ + r) * H + h) * gridDim.z;
-    float lse[8], mx = NEG_INF, L = 0.f, acc[32] = {};
+    float lse[8], mx = NEG_INF, L = 0.f, acc[32] = {};  // nsplit <= 8: the host plans so (prefill_splits)
     UNROLL for (int sp = 0; sp < 8; sp++) mx = fmaxf(mx, lse[sp] = sp < nsplit ? __ldcg(&part_lse[base + sp]) : NEG_INF);
     UNROLL for (int sp = 0; sp < 8; sp++) {  // split 0 sees key 0, so mx is finite
         if (sp >= nsplit) break;
