@@ -122,6 +122,7 @@ SPLITK_SCRATCH = 1 << 22  # floats of split-K partial sums (16 MB), enough for e
 GEMV_LIGHT = 8 << 20  # matrices up to this many bytes take the lighter gemv: room on the SM for the next kernel
 SKINNY_MAX_M = 8  # decode batches up to this many rows stream the weights through matmul_skinny
 SKINNY_BLOCKS_PER_SM = 6  # ... their K split until the SMs hold this many blocks each (more loads in flight)
+LAYERNORM_BLOCKS_PER_SM = 16  # a layernorm's blocks (a row each) beyond this many an SM take further rows in turn
 PREFILL_MIN_Q = 16  # fp16 sequences with this many queries in a step use the tensor-core prefill attention
 INVARIANT_SPLITS = 16  # batch-invariant attention: a row of L keys always in min(16, L/32) splits, whatever the batch
 
@@ -365,7 +366,8 @@ class CudaBackend:
         assert C % self.vec == 0 and C <= 2048, f"layernorm: C={C} must be a multiple of {self.vec} and <= 2048"
         y = self.empty((T, C))
         if T:
-            self.launch(f"layernorm<{self.t}>", (cdiv(T, 4),), (128,),
+            threads = cdiv(C // self.vec, 32) * 32  # a 16-byte vector a thread, whole warps
+            self.launch(f"layernorm<{self.t}>", (min(T, LAYERNORM_BLOCKS_PER_SM * self.num_sms),), (threads,),
                         (x, self._contiguous(w), self._contiguous(b), y, np.int32(T), np.int32(C), np.float32(eps)))
         return y
 

@@ -7,7 +7,7 @@
 // cuda_fp16.h is included: tensor cores, ldmatrix, cp.async are inline PTX, each before its first user. Contents:
 //   1. embed             out = wte[ids] + wpe[positions]: a gather
 //   2. cache_write       this step's K and V into their slots of the paged KV cache: a scatter
-//   3. layernorm         y = (x - mean) / sqrt(var + eps) * w + b, one warp per row
+//   3. layernorm         y = (x - mean) / sqrt(var + eps) * w + b, a block per row
 //   4. matmul_f32        y = epilogue(x @ w.T) in fp32: shared-memory tiles, no tensor cores (exact path)
 //   5. attention_decode  one query row against its paged keys, split along the context (flash-decoding)
 //   6. matmul_gemv       y = epilogue(ln(x) @ w.T) for one row of x: warps streaming the weights (fp16 or int8)
@@ -138,56 +138,37 @@ __global__ void cache_write(const T* k, const T* v, int k_stride, int v_stride, 
     }
 }
 
-// a small weight used only at the end of a kernel: into L1 before the wait, no registers held for it
-__device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefetch.global.L1 [%0];" :: "l"(p)); }
-
-// 3. layernorm: y = (x - mean) / sqrt(var + eps) * w + b per row, for prefill (decode folds it into matmul_gemv).
-// Memory-bound: 2*T*C*sizeof(T) bytes (read x, write y), ~8 FLOPs per element. One warp per row; each lane keeps its
-// slice (<= 64 values: C <= 2048) in registers, so x is read once: mean, then centred sum of squares (no cancellation).
+// 3. layernorm: y = (x - mean) / sqrt(var + eps) * w + b per row, for prefill and decode batches (one row's decode
+// folds it into matmul_gemv). Memory-bound: 2*T*C*sizeof(T) bytes (read x, write y), ~8 FLOPs per element, and at
+// a decode step's few rows bound by latency alone. So a block a row, each thread one 16-byte vector of it (C <= 2048:
+// 256 threads in fp16): a row is one load a thread, its statistics two block-wide sums (the mean, then the centred sum
+// of squares: no cancellation), and the gain and bias wait in registers, loaded before the inputs (no kernel writes
+// them). A prefill's thousands of rows: each block takes every gridDim-th row, the next row's x on its way during
+// this one's sums.
 template <typename T>
-__global__ void __launch_bounds__(128) layernorm(const T* x, const T* w, const T* b, T* y, int rows, int C, float eps) {
-    constexpr int VEC = 16 / sizeof(T), NV = 64 / VEC;
-    const int row = blockIdx.x * 4 + threadIdx.x / 32, lane = threadIdx.x % 32;
-    // a decode step's few rows: the gain and bias go to L1 before the wait (no kernel writes them), so in a graph
-    // their trip to HBM overlaps the kernel before. Not for a prefill's thousands of blocks: far slower there.
-    if (rows <= 256) {
-        UNROLL for (int i = 0; i < NV; i++) {
-            int c = (i * 32 + lane) * VEC;
-            if (c >= C) break;
-            prefetch_l1(w + c);
-            prefetch_l1(b + c);
-        }
-    }
+__global__ void __launch_bounds__(512) layernorm(const T* x, const T* w, const T* b, T* y, int rows, int C, float eps) {
+    constexpr int VEC = 16 / sizeof(T);
+    const int c = threadIdx.x * VEC;
+    const bool mine = c < C;  // the block is whole warps: the last may reach past C
+    uint4 wr = make_uint4(0, 0, 0, 0), br = wr, xr = wr;
+    if (mine) { wr = load16(w + c); br = load16(b + c); }
     wait_for_inputs();
-    if (row >= rows) return;
-    const long off = (long)row * C;
-    float v[NV][VEC];
-    float sum = 0.f;
-    UNROLL for (int i = 0; i < NV; i++) {
-        int c = (i * 32 + lane) * VEC;
-        if (c >= C) break;
-        uint4 xr = load16(x + off + c);
+    const T *we = reinterpret_cast<const T*>(&wr), *be = reinterpret_cast<const T*>(&br);
+    if (mine && blockIdx.x < rows) xr = load16(x + (long)blockIdx.x * C + c);
+    for (int row = blockIdx.x; row < rows; row += gridDim.x) {
+        float v[VEC], sum = 0.f, sq = 0.f;
         const T* xe = reinterpret_cast<const T*>(&xr);
-        UNROLL for (int j = 0; j < VEC; j++) {
-            v[i][j] = to_float(xe[j]);
-            sum += v[i][j];
+        UNROLL for (int j = 0; j < VEC; j++) sum += v[j] = to_float(xe[j]);
+        if (mine && row + gridDim.x < rows) xr = load16(x + (long)(row + gridDim.x) * C + c);  // the next row's
+        const float mean = block_sum(sum) / C;
+        UNROLL for (int j = 0; j < VEC; j++) sq += mine ? (v[j] - mean) * (v[j] - mean) : 0.f;
+        const float rstd = rsqrtf(block_sum(sq) / C + eps);
+        if (mine) {
+            uint4 out;
+            T* oe = reinterpret_cast<T*>(&out);
+            UNROLL for (int j = 0; j < VEC; j++) oe[j] = from_float<T>((v[j] - mean) * rstd * to_float(we[j]) + to_float(be[j]));
+            store16(y + (long)row * C + c, out);
         }
-    }
-    const float mean = warp_sum(sum) / C;
-    float sq = 0.f;
-    UNROLL for (int i = 0; i < NV; i++) {
-        if ((i * 32 + lane) * VEC >= C) break;
-        UNROLL for (int j = 0; j < VEC; j++) sq += (v[i][j] - mean) * (v[i][j] - mean);
-    }
-    const float rstd = rsqrtf(warp_sum(sq) / C + eps);
-    UNROLL for (int i = 0; i < NV; i++) {
-        int c = (i * 32 + lane) * VEC;
-        if (c >= C) break;
-        uint4 wr = load16(w + c), br = load16(b + c), out;
-        const T *we = reinterpret_cast<const T*>(&wr), *be = reinterpret_cast<const T*>(&br);
-        T* oe = reinterpret_cast<T*>(&out);
-        UNROLL for (int j = 0; j < VEC; j++) oe[j] = from_float<T>((v[i][j] - mean) * rstd * to_float(we[j]) + to_float(be[j]));
-        store16(y + off + c, out);
     }
 }
 
