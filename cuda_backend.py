@@ -449,9 +449,10 @@ class CudaBackend:
         T, H, D = q.shape
         if D != 64:
             raise NotImplementedError(f"attention: the kernels are written for head_dim 64 (every GPT-2), got {D}")
-        # decode (no query needs another's new keys from the cache): the attention kernel writes them; else cache_write
+        # rows only (decode, verification chunks): attention_decode writes this step's K and V, reading them from qkv;
+        # with tiles (attention_prefill reads every key from the cache) cache_write first
         new_kv = (0, 0, np.int32(0), 0)
-        if self.fused and batch.n_tiles == 0 and batch.n_rows == len(batch.context_lens):
+        if self.fused and batch.n_tiles == 0:
             (k, ks), (v, vs) = self._heads(k), self._heads(v)
             assert ks == vs, "attention: k and v must share a token stride (views into one qkv array)"
             new_kv = (k, v, np.int32(ks), batch.slot_mapping)
@@ -475,23 +476,24 @@ class CudaBackend:
             nsplit = INVARIANT_SPLITS if self.batch_invariant else \
                 max(1, min(cdiv(4 * self.num_sms, batch.n_rows * H), cdiv(batch.max_row_len, 32), 32))
             rows = (batch.row_q, batch.row_seq, batch.row_len)
+            cache = (k_cache, v_cache, batch.cu_seqlens_q) + common
             per_launch = self._counters.size // H  # rows whose splits the arrival counters count at once
             if nsplit == 1 or batch.n_rows <= per_launch:
-                self._attention_decode(q, qs, new_kv, k_cache, v_cache, common, *rows, H, scale_log2, out, nsplit)
+                self._attention_decode(q, qs, new_kv, cache, *rows, H, scale_log2, out, nsplit)
             else:  # batch-invariant prefill of many rows: launches of per_launch rows
                 for r in range(0, batch.n_rows, per_launch):
-                    self._attention_decode(q, qs, new_kv, k_cache, v_cache, common,
-                                           *(a[r:r + per_launch] for a in rows), H, scale_log2, out, nsplit)
+                    self._attention_decode(q, qs, new_kv, cache, *(a[r:r + per_launch] for a in rows), H,
+                                           scale_log2, out, nsplit)
         return out
 
-    def _attention_decode(self, q, qs, new_kv, k_cache, v_cache, common, row_q, row_seq, row_len, H, scale_log2, out,
-                          nsplit):
-        """attention_decode over these rows, each row's keys in up to nsplit splits of >= 32 keys."""
+    def _attention_decode(self, q, qs, new_kv, cache, row_q, row_seq, row_len, H, scale_log2, out, nsplit):
+        """attention_decode over these rows, each row's keys in up to nsplit splits of >= 32 keys; cache: the K and V
+        caches, the batch's cu_seqlens_q, its block tables and their shape."""
         n_rows = len(row_q)
         part_o = cp.empty(n_rows * H * nsplit * 64 if nsplit > 1 else 0, np.float32)
         part_lse = cp.empty(n_rows * H * nsplit if nsplit > 1 else 0, np.float32)
         self.launch(f"attention_decode<{self.t}>", (n_rows, H, nsplit), (128,),
-                    (q, np.int32(qs)) + new_kv + (k_cache, v_cache) + common +
+                    (q, np.int32(qs)) + new_kv + cache +
                     (row_q, row_seq, row_len, np.int32(H), scale_log2, out, part_o, part_lse, self._counters))
 
     def penalize(self, logits, e):

@@ -223,37 +223,42 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
 // flight each thread cp.asyncs its own chunks of the next 7 key tiles (no registers held), read by it alone: no
 // barrier. Several splits (so 12 heads of one sequence fill 132 SMs) each write normalised output and log-sum-exp; the
 // last to arrive combines: out = sum_s exp2(lse_s - max) * o_s / sum_s exp2(lse_s - max). The cache write rides
-// along: row r's own key (len - 1) comes from k_new / v_new, stored by its split at slot_mapping[row_q[r]].
+// along: this step's keys of the row's sequence (its own, len - 1, and those of the sequence's earlier rows: a
+// verification chunk's, a short prompt chunk's) come from k_new / v_new, each row storing its own at
+// slot_mapping[row_q[r]]; without k_new (cache_write ran first) from the cache, after the wait.
 template <typename T>
 __global__ void __launch_bounds__(128) attention_decode(
     const T* q, int q_stride, const T* k_new, const T* v_new, int kv_stride,
-    const int* slot_mapping, T* k_cache, T* v_cache,
+    const int* slot_mapping, T* k_cache, T* v_cache, const int* cu_seqlens_q,
     const int* block_tables, int max_blocks, int block_size, const int* row_q, const int* row_seq,
     const int* row_len, int H, float scale_log2, T* out, float* part_o, float* part_lse, int* counters) {
     constexpr int D = 64, VEC = 16 / sizeof(T), LPK = D / VEC, KPW = 32 / LPK;  // lanes per key, keys per warp
     const int r = blockIdx.x, h = blockIdx.y, split = blockIdx.z;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, grp = lane / LPK, sub = lane % LPK;
-    // Before the wait: only the qkv matmul just before writes q and this step's K and V; the row plan, block tables and
-    // cache up to each row's previous key are older. >= 32 keys per split: short rows (or graphs) use fewer.
+    // Before the wait: the kernels just before write q and this step's K and V (into the cache too, by cache_write);
+    // the row plan, block tables and the cache's older keys are older. >= 32 keys per split: short rows use fewer.
     const int qr = row_q[r], len = row_len[r], nsplit = min((int)gridDim.z, (len + 31) / 32);
+    const int own = len - 1, first_new = own - (qr - cu_seqlens_q[row_seq[r]]);  // its key; the first of the step
     if (split >= nsplit) return;
     const int chunk = (len + nsplit - 1) / nsplit, k_begin = split * chunk, k_end = min(len, k_begin + chunk);
     const int* table = block_tables + (long)row_seq[r] * max_blocks;
     auto slot_off = [&](int j) { return (((long)table[j / block_size] * block_size + j % block_size) * H + h) * D; };
+    const long new_off = (long)qr * kv_stride + h * D;  // this row's own K and V in k_new / v_new
+    auto key_of = [&](const T* step_kv, const T* cache, int j) {  // key (or value) j: this step's from k_new
+        return (j >= first_new && k_new ? step_kv + new_off - (long)(own - j) * kv_stride : cache + slot_off(j)) + sub * VEC;
+    };
     constexpr int RING = 8;  // key tiles in the ring: RING - 1 in flight while one is read
     __shared__ __align__(16) uint4 ring[RING][2][128];  // [tile][K, V][thread]
-    const int own = len - 1;  // the row's own key: from k_new (this step's), never copied from the cache
-    auto fetch = [&](int it) {  // tile it holds key k_begin + 4 KPW it + KPW warp + grp
-        const int j = k_begin + 4 * KPW * it + warp * KPW + grp;
-        if (j < k_end && j != own) {
-            cp_async16(smem_addr(&ring[it % RING][0][threadIdx.x]), k_cache + slot_off(j) + sub * VEC, true);
-            cp_async16(smem_addr(&ring[it % RING][1][threadIdx.x]), v_cache + slot_off(j) + sub * VEC, true);
+    auto fetch = [&](int it) {  // tile it holds key k_begin + 4 KPW it + KPW warp + grp; the first RING - 1 tiles,
+        const int j = k_begin + 4 * KPW * it + warp * KPW + grp;  // fetched before the wait, skip this step's keys
+        if (j < k_end && (j < first_new || it >= RING - 1)) {
+            cp_async16(smem_addr(&ring[it % RING][0][threadIdx.x]), key_of(k_new, k_cache, j), true);
+            cp_async16(smem_addr(&ring[it % RING][1][threadIdx.x]), key_of(v_new, v_cache, j), true);
         }
         cp_async_commit();
     };
-    for (int it = 0; it < RING - 1; it++) fetch(it);  // the cache up to the row's previous key: on their way now
+    for (int it = 0; it < RING - 1; it++) fetch(it);  // the cache's older keys: on their way now
     wait_for_inputs();
-    const long new_off = (long)qr * kv_stride + h * D;  // this row's own K and V in k_new / v_new
     if (k_new && split == nsplit - 1 && threadIdx.x < LPK && slot_mapping[qr] >= 0) {
         const long dst = ((long)slot_mapping[qr] * H + h) * D + threadIdx.x * VEC;
         store16(k_cache + dst, load16(k_new + new_off + threadIdx.x * VEC));
@@ -271,9 +276,9 @@ __global__ void __launch_bounds__(128) attention_decode(
         const bool ok = j < k_end;
         float s = 0.f;
         uint4 kraw, vraw;
-        if (ok && j == own) {
-            kraw = load16((k_new ? k_new + new_off : k_cache + slot_off(j)) + sub * VEC);
-            vraw = load16((k_new ? v_new + new_off : v_cache + slot_off(j)) + sub * VEC);
+        if (ok && j >= first_new && it < RING - 1) {  // this step's key, not fetched before the wait
+            kraw = load16(key_of(k_new, k_cache, j));
+            vraw = load16(key_of(v_new, v_cache, j));
         } else if (ok) {
             kraw = ring[it % RING][0][threadIdx.x];
             vraw = ring[it % RING][1][threadIdx.x];

@@ -232,6 +232,7 @@ ATTENTION_CASES = {
     "chunked_prefill": [(100, 1023), (64, 80), (5, 40), (16, 33), (129, 300)],
     "mixed": [(1, 500), (200, 200), (1, 17), (33, 1000), (3, 10), (1, 1), (70, 90)],
     "decode_batch": [(1, int(n)) for n in np.random.default_rng(SEED).integers(1, 700, 64)],
+    "verify": [(5, 300), (5, 17), (9, 64), (2, 2), (15, 1000), (5, 5)],  # speculation's chunks: rows, no tiles
 }
 
 
@@ -240,8 +241,9 @@ ATTENTION_CASES = {
 def test_attention(be, case):
     """Causal attention over block tables for one flat batch: decode, prefill, chunked prefill and mixes, with
     contexts at and around block edges; q, k and v are strided views into qkv. This step's k and v land in the
-    cache exactly (decode writes them from inside the attention kernel, the rest with cache_write first). The
-    prefill cases have few query tiles, so attention_prefill splits their keys (and merges the splits)."""
+    cache exactly (a batch of rows only, decode and verification chunks, has attention_decode write them, reading this
+    step's keys from qkv; with tiles cache_write runs first). The prefill cases have few query tiles, so
+    attention_prefill splits their keys (and merges the splits)."""
     dt, H = be.dtype.type, 12
     batch, qkv, kc, vc = make_batch(ATTENTION_CASES[case], dt, rng, H=H)
     tiles = len(cuda_backend.plan_attention(batch.cu_seqlens_q, batch.context_lens, be.tile_min_q)["tile_seq"])
