@@ -878,25 +878,28 @@ extern "C" __global__ void __launch_bounds__(128) attention_prefill(
         if (t == 0) part_lse[pi] = sum > 0.f ? m[hf] + log2f(sum) : NEG_INF;
     }
     if (nsplit == 1 || !last_to_arrive(&counters[blockIdx.x * H + h], nsplit)) return;
-    // the merge: a thread a (row, 32 of its 64 outputs), a split's 32 values loaded at once (8 x 16 bytes in flight)
-    const int r = tid >> 1, d0 = (tid & 1) * 32;
-    if (q0 + r >= n_q) return;
-    const long base = (((long)blockIdx.x * BQ + r) * H + h) * gridDim.z;
-    float lse[8], mx = NEG_INF, L = 0.f, acc[32] = {};  // nsplit <= 8: the host plans so (prefill_splits)
-    UNROLL for (int sp = 0; sp < 8; sp++) mx = fmaxf(mx, lse[sp] = sp < nsplit ? __ldcg(&part_lse[base + sp]) : NEG_INF);
-    UNROLL for (int sp = 0; sp < 8; sp++) {  // split 0 sees key 0, so mx is finite
-        if (sp >= nsplit) break;
-        const float c = exp2f(lse[sp] - mx);
-        const float4* src = reinterpret_cast<const float4*>(&part_o[(base + sp) * D + d0]);
-        float4 v[8];
-        UNROLL for (int i = 0; i < 8; i++) v[i] = __ldcg(src + i);
-        L += c;
-        UNROLL for (int i = 0; i < 8; i++) {
-            acc[4 * i] += c * v[i].x; acc[4 * i + 1] += c * v[i].y; acc[4 * i + 2] += c * v[i].z; acc[4 * i + 3] += c * v[i].w;
+    // the merge: a thread takes 8 outputs of a row at a time and loads every split's lse and values at once (one round
+    // trip to L2, not one a split); an absent split weighs exp2(-inf) = 0
+    for (int c = tid; c < BQ * 8 && q0 + (c >> 3) < n_q; c += 128) {
+        const int r = c >> 3, d0 = (c & 7) * 8;
+        const long base = (((long)blockIdx.x * BQ + r) * H + h) * gridDim.z;
+        float lse[8], mx = NEG_INF, L = 0.f, acc[8] = {};  // nsplit <= 8: the host plans so (prefill_splits)
+        float4 v[8][2] = {};
+        UNROLL for (int sp = 0; sp < 8; sp++) {
+            const float4* src = reinterpret_cast<const float4*>(&part_o[(base + sp) * D + d0]);
+            lse[sp] = sp < nsplit ? __ldcg(&part_lse[base + sp]) : NEG_INF;
+            if (sp < nsplit) { v[sp][0] = __ldcg(src); v[sp][1] = __ldcg(src + 1); }
+            mx = fmaxf(mx, lse[sp]);
         }
+        UNROLL for (int sp = 0; sp < 8; sp++) {  // split 0 sees key 0, so mx is finite
+            const float w = exp2f(lse[sp] - mx), *f = reinterpret_cast<const float*>(v[sp]);
+            L += w;
+            UNROLL for (int i = 0; i < 8; i++) acc[i] += w * f[i];
+        }
+        uint4 o8;
+        UNROLL for (int i = 0; i < 4; i++) reinterpret_cast<half2*>(&o8)[i] = __floats2half2_rn(acc[2 * i] / L, acc[2 * i + 1] / L);
+        store16(out + ((long)(q_begin + q0 + r) * H + h) * D + d0, o8);
     }
-    half2* dst = reinterpret_cast<half2*>(out + ((long)(q_begin + q0 + r) * H + h) * D + d0);
-    UNROLL for (int i = 0; i < 16; i++) dst[i] = __floats2half2_rn(acc[2 * i] / L, acc[2 * i + 1] / L);
 }
 
 // 10. penalize: NumpyBackend.penalize, a thread per (row, token) entry, each pair listed once (no two threads write
