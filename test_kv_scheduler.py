@@ -123,7 +123,7 @@ STRESS_EXAMPLES = int(os.environ.get("NANOINFER_STRESS_EXAMPLES", 20))  # raised
 @settings(max_examples=STRESS_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(reqs=st.lists(REQUEST, min_size=2, max_size=6), block_size=st.sampled_from([1, 4, 16, 32]),
        slack=st.sampled_from([0, 0, 1, 16, 64]), max_batched=st.sampled_from([3, 8, 32, 2048]),
-       max_seqs=st.sampled_from([1, 2, 256]),
+       max_seqs=st.sampled_from([1, 2, 32]),  # 32: more than any run holds (6 x 3), and 6 graph buckets, not 20
        speculate=st.sampled_from([None, None, ("ngram", 1, None), ("ngram", 3, None), ("ngram", 3, 2), ("tiny", 2, None),
                                   ("wide", 3, None)]))
 def test_stress_every_request_gets_its_solo_output(tiny, wide, dev, reqs, block_size, slack, max_batched, max_seqs,
