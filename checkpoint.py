@@ -307,12 +307,17 @@ class Tokenizer:
         n_vocab = self.n_vocab
         if isinstance(prompt, dict) and len(prompt) == 1 and ("prompt" in prompt or "prompt_token_ids" in prompt):
             prompt = prompt.get("prompt", prompt.get("prompt_token_ids"))  # vLLM's TextPrompt and TokensPrompt
+        ids = None
         if isinstance(prompt, str):
             ids = self.encode(prompt)
-        elif isinstance(prompt, (list, tuple, np.ndarray)) and \
-                all(isinstance(t, (int, np.integer)) and 0 <= t < n_vocab for t in prompt):
-            ids = [int(t) for t in prompt]
-        else:
+        elif isinstance(prompt, (list, tuple, np.ndarray)):
+            try:  # checked in numpy: a loop in Python over a long prompt would be a visible part of its first token
+                a = np.asarray(prompt)
+            except (ValueError, TypeError):  # ragged
+                a = np.zeros((0, 0))
+            if a.ndim == 1 and (a.size == 0 or a.dtype.kind in "iu" and 0 <= a.min() and a.max() < n_vocab):
+                ids = a.tolist()
+        if ids is None:
             raise ValueError(f"a prompt is a string, a list of token ids in [0, {n_vocab}), or a dict of one: "
                              "{'prompt': string} or {'prompt_token_ids': list}")
         return ids or [self.eot_token]

@@ -61,19 +61,15 @@ class BlockAllocator:
             self.cached[block_hash], self.hash_of[block] = block, block_hash
 
 
-def block_hash(parent, tokens):
-    """A full block's name: sha256 of the block before's name (b"" for the first) and its token ids. A collision would
-    hand a request another's KV; with sha256 (vLLM's choice too) it is not a practical risk, so a hit is not checked
-    against the tokens."""
-    return hashlib.sha256(parent + np.asarray(tokens, np.int64).tobytes()).digest()
-
-
-def block_hashes(token_ids, block_size, n):
-    """The names of the first n full blocks of token_ids."""
-    hashes = []
-    for i in range(n):
-        hashes.append(block_hash(hashes[-1] if hashes else b"", token_ids[i * block_size:(i + 1) * block_size]))
-    return hashes
+def block_hashes(token_ids, block_size, parent=b""):
+    """The names of token_ids' full blocks, in order (a generator: a lookup stops at its first miss), chained from
+    parent, the name of the block before them (b"" at a sequence's start): each is the sha256 of the block before's
+    name and its token ids as int64. A collision would hand a request another's KV; with sha256 (vLLM's choice too) it
+    is not a practical risk, so a hit is not checked against the tokens."""
+    data, step = np.asarray(token_ids, np.int64).tobytes(), 8 * block_size  # one conversion, not one a block
+    for i in range(len(data) // step):
+        parent = hashlib.sha256(parent + data[i * step:(i + 1) * step]).digest()
+        yield parent
 
 
 class PagedKVCache:
@@ -162,8 +158,7 @@ class PagedKVCache:
         if not self.enable_prefix_caching or seq_id in self.block_tables:
             return 0
         table, named, bs = [], [], self.block_size
-        for i in range((len(token_ids) - 1) // bs):  # hashed one block at a time, to the first miss
-            h = block_hash(named[-1] if named else b"", token_ids[i * bs:(i + 1) * bs])
+        for h in block_hashes(token_ids[:(len(token_ids) - 1) // bs * bs], bs):  # to the first miss
             if h not in self.allocator.cached:
                 break
             table.append(self.allocator.cached[h])
@@ -181,9 +176,12 @@ class PagedKVCache:
         if not self.enable_prefix_caching or table is None:
             return
         named, bs = self.named.setdefault(seq_id, []), self.block_size
-        for i in range(len(named), min(num_computed // bs, len(table))):  # most steps: no block filled, none here
-            named.append(block_hash(named[-1] if named else b"", token_ids[i * bs:(i + 1) * bs]))
-            self.allocator.name(table[i], named[-1])
+        first, end = len(named), min(num_computed // bs, len(table))
+        if end == first:  # most steps fill no block
+            return
+        for i, h in enumerate(block_hashes(token_ids[first * bs:end * bs], bs, named[-1] if named else b""), first):
+            named.append(h)
+            self.allocator.name(table[i], h)
 
     def reset_prefix_cache(self):
         """Forget every cached block (vLLM's reset_prefix_cache): nothing is found until computed again."""
