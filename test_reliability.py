@@ -43,6 +43,21 @@ def test_too_long_prompt_refused_alone(tiny):
     assert not llm.has_unfinished() and llm.kv.allocator.num_free() == llm.kv.num_blocks
 
 
+def test_prompt_forms(tiny):
+    """A prompt's token ids come as a list, a tuple, a numpy array or vLLM's {"prompt_token_ids": ...}, all the same
+    ids; ids outside the vocabulary, floats, bools, nested or ragged lists are refused, naming the accepted forms."""
+    tok = make_llm(tiny, CPU).tokenizer
+    ids = [15496, 0, EOT]
+    for form in (ids, tuple(ids), np.array(ids), np.array(ids, np.int32), [np.int64(i) for i in ids],
+                 {"prompt_token_ids": ids}):
+        got = tok.prompt_ids(form)
+        assert got == ids and all(type(i) is int for i in got), form
+    assert tok.prompt_ids([]) == [EOT]  # unconditional: from the end-of-text token
+    for bad in ([15496, EOT + 1], [-1], [1.0, 2.0], [True, False], [[1, 2], [3, 4]], [1, [2]], ["a"], [2 ** 70]):
+        with pytest.raises(ValueError, match="a prompt is a string"):
+            tok.prompt_ids(bad)
+
+
 def test_request_that_never_fits_the_pool_is_refused(tiny):
     """With a 32-token pool, a request that may need 50 tokens is refused; a small one beside it finishes."""
     llm = make_llm(tiny, CPU, num_kv_tokens=32, block_size=16)
