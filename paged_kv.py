@@ -177,7 +177,7 @@ class PagedKVCache:
             return
         named, bs = self.named.setdefault(seq_id, []), self.block_size
         first, end = len(named), min(num_computed // bs, len(table))
-        if end == first:  # most steps fill no block
+        if end <= first:  # most steps fill no block
             return
         for i, h in enumerate(block_hashes(token_ids[first * bs:end * bs], bs, named[-1] if named else b""), first):
             named.append(h)
