@@ -110,25 +110,32 @@ def test_server_completions_like_generate(server):
     wait_idle(url)
 
 
-def test_server_32_streams_join_one_batch(server):
-    """32 clients stream at once, each its own prompt: each text is its solo run's (greedy), and afterwards nothing
-    is left in the engine and every block is free."""
+def streamed_at_once(url, prompts, max_tokens):
+    """The texts of greedy completions of `prompts`, each streamed to a client thread of its own (the official openai
+    client) at once."""
     from openai import OpenAI
-    url, llm = server
-    prompts = [f"Story number {i}:" for i in range(32)]
-    want = [o.outputs[0].text for o in llm.generate(prompts, greedy(20), use_tqdm=False)]
-    got = [None] * 32
+    got = [None] * len(prompts)
 
     def client(i):
         stream = OpenAI(base_url=url + "/v1", api_key="none").completions.create(
-            model="tiny", prompt=prompts[i], max_tokens=20, temperature=0, stream=True, extra_body={"ignore_eos": True})
+            model="tiny", prompt=prompts[i], max_tokens=max_tokens, temperature=0, stream=True,
+            extra_body={"ignore_eos": True})
         got[i] = "".join(c.choices[0].text for c in stream)
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(32)]
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(prompts))]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=120)
-    assert got == want
+    return got
+
+
+def test_server_32_streams_join_one_batch(server):
+    """32 clients stream at once, each its own prompt: each text is its solo run's (greedy), and afterwards nothing
+    is left in the engine and every block is free."""
+    url, llm = server
+    prompts = [f"Story number {i}:" for i in range(32)]
+    want = [o.outputs[0].text for o in llm.generate(prompts, greedy(20), use_tqdm=False)]
+    assert streamed_at_once(url, prompts, 20) == want
     wait_idle(url)
 
 
@@ -137,7 +144,6 @@ def test_server_with_two_http_processes(tiny):
     at once, on connections of their own, stream their solo texts; /metrics answers for the whole engine (every
     finished sample, from either process); a client gone mid-stream is aborted; SIGTERM exits 0, leaving no child."""
     import httpx
-    from openai import OpenAI
     proc, url = start_server(tiny, "--api-server-count", "2")
     try:
         children = lambda: [int(c) for c in open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()]  # noqa
@@ -146,19 +152,7 @@ def test_server_with_two_http_processes(tiny):
         llm = LLM(str(tiny.path), device="cpu")
         prompts = [f"Tale {i}:" for i in range(24)]
         want = [o.outputs[0].text for o in llm.generate(prompts, greedy(12), use_tqdm=False)]
-        got = [None] * 24
-
-        def client(i):
-            stream = OpenAI(base_url=url + "/v1", api_key="none").completions.create(
-                model="tiny", prompt=prompts[i], max_tokens=12, temperature=0, stream=True,
-                extra_body={"ignore_eos": True})
-            got[i] = "".join(c.choices[0].text for c in stream)
-        threads = [threading.Thread(target=client, args=(i,)) for i in range(24)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=120)
-        assert got == want
+        assert streamed_at_once(url, prompts, 12) == want
         with httpx.stream("POST", url + "/v1/completions", json={"model": "tiny", "prompt": "Gone", "max_tokens": 100,
                                                                  "stream": True, "ignore_eos": True}) as r:
             next(r.iter_lines())  # its first event, then the client goes
