@@ -314,8 +314,9 @@ class Tokenizer:
             try:  # checked in numpy: a loop in Python over a long prompt would be a visible part of its first token
                 a = np.asarray(prompt)
             except (ValueError, TypeError):  # ragged
-                a = np.zeros((0, 0))
-            if a.ndim == 1 and (a.size == 0 or a.dtype.kind in "iu" and 0 <= a.min() and a.max() < n_vocab):
+                a = None
+            if a is not None and a.ndim == 1 and \
+                    (a.size == 0 or a.dtype.kind in "iu" and 0 <= a.min() and a.max() < n_vocab):
                 ids = a.tolist()
         if ids is None:
             raise ValueError(f"a prompt is a string, a list of token ids in [0, {n_vocab}), or a dict of one: "
