@@ -41,7 +41,8 @@ def find_gpu():
 # 1. compiling and launching kernels.cu
 
 KERNELS_CU = Path(__file__).with_name("kernels.cu")
-PLAIN = ["matmul_f32", "attention_prefill", "penalize", "sample_pass", "sample_pick", "decode_advance"]
+PLAIN = ["matmul_f32", "attention_prefill", "penalize", "sample_pass", "sample_pick", "decode_advance", "ngram_propose",
+         "spec_accept"]  # the kernels that are no template
 GEMV_SMEM = 224 * 1024  # matmul_gemv keeps x in shared memory: K * 2 bytes at most
 SAMPLE_WARP, SAMPLE_CAP, SUMMARY_BYTES = 512, 16, 24  # kernels.cu's sampler: a pass warp's logits, its candidates
 SAMPLE_THREADS = 256  # the pick's block: its head holds 128 warps' candidates (16 KB), its exact way a row of logits

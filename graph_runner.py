@@ -42,20 +42,22 @@ class RunPlan:
     block_tables: np.ndarray
 
 
-def plan_run(kv, seqs, ahead, max_steps, n_ctx):
+def plan_run(kv, seqs, ahead, max_steps, n_ctx, tokens_per_step=1):
     """Decode steps from `ahead` past the host's tokens, their KV blocks reserved here: max_steps at most, no more than
     the longest sequence may still take, halved until the free blocks cover them (None: not one step; the scheduler
-    then preempts). A sequence that stops early (EOS, a stop string) wastes the steps after; it never emits them."""
+    then preempts). A sequence that stops early (EOS, a stop string) wastes the steps after; it never emits them.
+    tokens_per_step: the most tokens a step may compute a sequence (speculating: k + 1)."""
     left = steps_left(seqs, ahead, n_ctx)
     first = [len(s.token_ids) - 1 + ahead for s in seqs]  # the position each one's first step computes
     steps = int(min(max_steps, left.max(initial=0)))
-    while steps > 0 and not kv.can_fit_all([(s.seq_id, p + min(steps, n)) for s, p, n in zip(seqs, first, left) if n]):
+    while steps > 0 and not kv.can_fit_all([(s.seq_id, p + min(steps * tokens_per_step, n))
+                                            for s, p, n in zip(seqs, first, left) if n]):
         steps //= 2
     if steps == 0:
         return None
     for s, p, n in zip(seqs, first, left):
         if n:
-            kv.grow(s.seq_id, p + min(steps, n))
+            kv.grow(s.seq_id, p + min(steps * tokens_per_step, n))
     positions = np.where(left > 0, first, 0)
     tables = kv.block_table_array([s.seq_id for s in seqs])  # (S, max_blocks)
     slots = np.where(left > 0, kv.slot_mapping(tables, np.arange(len(seqs)), positions), -1)
@@ -184,7 +186,7 @@ class ChunkGraph:
     pad computes at its sequence's last real position and writes no cache slot (-1); each sequence is declared T
     queries long, so each real query keeps its position and sees only real keys; sequences past the batch's are
     padding too, and rows no one samples sample something unread."""
-    def __init__(self, chunk_step, backend, kv, n_ctx, T, samples, stream, pool, B=1):
+    def __init__(self, chunk_step, backend, kv, n_ctx, T, samples, stream, pool, B=1, around=None):
         self.T, self.samples, self.B, self.stream, self.min_q = T, samples, B, stream, backend.tile_min_q
         self.width = kv.blocks_needed(n_ctx + T)  # the pads' queries may look past the context: entries 0
         host, self.layout, _ = pack_batch(self.padded(types.SimpleNamespace(
@@ -195,15 +197,19 @@ class ChunkGraph:
         names = sorted(DecodeGraph.SAMPLING, key=lambda f: f != "seed")
         sizes = [B * samples * (2 if f == "seed" else 1) for f in names]
         starts = len(host) + np.cumsum([0] + sizes)
+        self.host_buffer = np.concatenate([host, np.zeros(starts[-1] - len(host), np.int32)])
+        self.sampling_at = {f: slice(a, a + n) for f, a, n in zip(names, starts.tolist(), sizes)}
         with stream:
-            self.dev_buffer = cp.asarray(np.concatenate([host, np.zeros(starts[-1] - len(host), np.int32)]))
-            batch = device_batch_of(self.dev_buffer[:len(host)], self.layout, n_ctx + T)
-            self.sampling = {f: self.dev_buffer[a:a + n].view(DecodeGraph.TYPES.get(f, np.int32))
-                             for f, a, n in zip(names, starts.tolist(), sizes)}
+            self.dev_buffer = cp.asarray(self.host_buffer)
+            self.batch = batch = device_batch_of(self.dev_buffer[:len(host)], self.layout, n_ctx + T)
+            self.sampling = {f: self.dev_buffer[at].view(DecodeGraph.TYPES.get(f, np.int32))
+                             for f, at in self.sampling_at.items()}
             self.tokens = cp.zeros(B * samples, np.int32)  # where every replay leaves the sampled tokens (no pool)
 
-            def step():
+            def step():  # `around` (SpecGraph) makes the inputs on the GPU before, and reads the tokens after
+                around and around.before(self)
                 self.tokens[...] = chunk_step(batch, self.sampling)
+                around and around.after(self)
             with cp.cuda.using_allocator(pool.malloc):
                 step()  # warm-up, out of the capture
                 stream.synchronize()
@@ -246,6 +252,81 @@ class ChunkGraph:
         return self.tokens.get(stream=self.stream)[None, slots].astype(np.int64)
 
 
+class SpecGraph:
+    """n-gram speculation chained on the GPU: a step of up to B decoding sequences, each its last token and a draft of
+    up to k tokens, replayed from one CUDA graph many times a run, as DecodeGraph replays plain steps. A replay is
+    propose -> verify -> accept: ngram_propose makes each row's draft from its token history (speculation.py's rule)
+    and its chunk of T = k + 1 queries; a ChunkGraph's forward samples a token at every query; spec_accept keeps the
+    draft up to its first miss, and the token sampled there, appended to the history. A row's kept tokens vary from
+    step to step, so each step leaves them in a ring with their count, read once a run; a row that has made all it
+    may turns to padding. The host pays once a run, not once a step (~0.35 ms, more than a GPT-2 124M step)."""
+    STATE = ("history", "length", "remaining", "token_base", "ndraft", "step")
+
+    def __init__(self, chunk_step, backend, kv, n_ctx, k, n_min, n_max, stream, pool, B):
+        self.B, self.T, self.n_ctx, self.stream, self.backend, self.kv = B, k + 1, n_ctx, stream, backend, kv
+        self.n_min, self.n_max = n_min, n_max
+        sizes = dict.fromkeys(self.STATE, B) | dict(history=B * n_ctx)  # history (B, n_ctx): each row's token ids
+        starts = np.cumsum([0] + list(sizes.values()))
+        self.host_state = np.zeros(starts[-1], np.int32)
+        self.host = {f: self.host_state[a:a + sizes[f]] for f, a in zip(self.STATE, starts)}
+        with stream:
+            self.dev_state = cp.zeros_like(self.host_state)
+            self.state = {f: self.dev_state[a:a + sizes[f]] for f, a in zip(self.STATE, starts)}
+            self.ring = cp.zeros((MAX_STEPS_PER_RUN, B, self.T + 2), np.int32)  # per step and row: a + 1, k', tokens
+            self.scratch = cp.zeros(B * self.T, np.int32)  # row lengths no kernel reads (a tiled chunk's)
+        self.chunk = c = ChunkGraph(chunk_step, backend, kv, n_ctx, self.T, self.T, stream, pool, B, around=self)
+        start, _ = c.layout["logits_idx"]
+        c.host_buffer[start:start + B * self.T] = np.arange(B * self.T)  # every query samples
+
+    def before(self, chunk):
+        s, b = self.state, chunk.batch
+        self.backend.launch("ngram_propose", (self.B,), (128,), (
+            s["history"], s["length"], s["remaining"], s["token_base"], s["ndraft"], b.input_ids, b.positions,
+            b.slot_mapping, b.context_lens, b.row_len if b.n_rows else self.scratch, chunk.sampling["token_index"],
+            b.block_tables, np.int32(chunk.width), np.int32(self.kv.block_size), np.int32(self.n_ctx),
+            np.int32(self.T), np.int32(self.n_min), np.int32(self.n_max)))
+
+    def after(self, chunk):
+        s = self.state
+        self.backend.launch("spec_accept", (-(-self.B // 128),), (128,), (
+            chunk.tokens, chunk.batch.input_ids, s["ndraft"], s["history"], s["length"], s["remaining"],
+            s["token_base"], s["step"], self.ring, np.int32(self.B), np.int32(self.T), np.int32(self.n_ctx)))
+
+    def run(self, seqs, sampling, plan):
+        """Load the sequences (their tokens, the plan's blocks and steps, their sampling parameters, a row each of
+        the chunk's T), replay plan.num_steps times; then (N, rows) tokens each row kept, in order, -1 after its
+        last, and `drafts` beside them: a step's first kept token carries the draft tokens that step verified, each
+        kept draft token after it -1."""
+        n, T, c = len(seqs), self.T, self.chunk
+        self.host_state[:] = 0
+        history = self.host["history"].reshape(self.B, self.n_ctx)
+        for row, seq in enumerate(seqs):
+            history[row, :len(seq.token_ids)] = seq.token_ids
+        self.host["length"][:n] = [len(seq.token_ids) for seq in seqs]
+        self.host["remaining"][:n], self.host["token_base"][:n] = plan.remaining, plan.token_index
+        host = c.host_buffer
+        start, shape = c.layout["block_tables"]
+        tables = host[start:start + shape[0] * shape[1]].reshape(shape)
+        tables[:] = 0
+        tables[:n, :plan.block_tables.shape[1]] = plan.block_tables
+        for f, at in c.sampling_at.items():  # a row's parameters on each of its T queries (padding: greedy)
+            values = np.zeros(self.B, DecodeGraph.TYPES.get(f, np.int32))
+            values[:n] = getattr(sampling, f)
+            host[at].view(values.dtype)[:] = np.repeat(values, T)
+        c.dev_buffer.set(host, stream=self.stream)
+        self.dev_state.set(self.host_state, stream=self.stream)
+        for _ in range(plan.num_steps):
+            c.graph.launch(self.stream)
+        ring = self.ring[:plan.num_steps].get(stream=self.stream)[:, :n].transpose(1, 0, 2)  # (n, steps, T + 2)
+        kept = np.arange(T) < ring[:, :, :1]  # (n, steps, T)
+        order = np.cumsum(kept.reshape(n, -1), axis=1).reshape(kept.shape) - 1  # each kept token's place in its row
+        rows = np.broadcast_to(np.arange(n)[:, None, None], kept.shape)
+        tokens, drafts = np.full((2, plan.num_steps * T, n), -1, np.int64)
+        tokens[order[kept], rows[kept]] = ring[:, :, 2:][kept]
+        drafts[order[:, :, 0][kept[:, :, 0]], rows[:, :, 0][kept[:, :, 0]]] = ring[:, :, 1][kept[:, :, 0]]
+        return tokens, drafts
+
+
 class GraphRunner:
     """Decode batches (each sequence computes its last token and samples, none wants logprobs or edits its logits)
     replayed from CUDA graphs, in runs of up to MAX_STEPS_PER_RUN steps. `decode_step(batch, sampling)` is what a
@@ -255,7 +336,7 @@ class GraphRunner:
     a graph too, and so do decodes' verification chunks when speculating (ChunkGraph). One stream: the
     engine's eager steps run on it too (eager()), so a run ends before later work reuses its blocks."""
     def __init__(self, decode_step, backend, kv, n_ctx, max_num_seqs, num_scheduler_steps=MAX_STEPS_PER_RUN,
-                 verify_tokens=0):
+                 verify_tokens=0, ngram=None):
         global cp
         import cupy as cp
         self.backend, self.kv, self.n_ctx = backend, kv, n_ctx
@@ -273,11 +354,14 @@ class GraphRunner:
                        for B in reversed(self.buckets)}
         self.prefills = {T: ChunkGraph(decode_step, backend, kv, n_ctx, T, 1, self.stream, pool)
                          for T in reversed(PREFILL_BUCKETS) if T <= n_ctx}
-        # speculating (verify_tokens: 1 + the most draft tokens), decodes' last tokens and drafts, each sampled, a graph
-        # per bucket of sequences as for decode steps
+        # speculating (verify_tokens: 1 + the most draft tokens), a graph per bucket of sequences as for decode steps:
+        # n-gram drafts (ngram: prompt_lookup_min and _max) made on the GPU, steps chained in runs (SpecGraph); a draft
+        # model's drafts, from the host, each step's chunks verified by one replay (ChunkGraph)
         k1 = verify_tokens
+        self.spec = {B: SpecGraph(decode_step, backend, kv, n_ctx, k1 - 1, *ngram, self.stream, pool, B)
+                     for B in reversed(self.buckets)} if k1 and ngram else {}
         self.verify = {B: ChunkGraph(decode_step, backend, kv, n_ctx, k1, k1, self.stream, pool, B)
-                       for B in reversed(self.buckets)} if k1 else {}
+                       for B in reversed(self.buckets)} if k1 and not ngram else {}
 
     def takes(self, batch, seqs):
         """Whether the graphs run this batch: a decode token for each sequence; or one sequence's last prompt chunk
@@ -298,17 +382,26 @@ class GraphRunner:
         would end the run unread)."""
         return self.in_flight is not None and any(not s.finish_reason for s in self.in_flight.seqs)
 
-    def run(self, batch, seqs, sampling, launch_next):
-        """(num_steps, R) sampled tokens of a batch the graphs take. A lone prompt's: the smallest prefill graph that
-        holds it, one replay; verification chunks': the verification graph of their bucket, one replay. Decode rows':
-        from the run in flight if it computes them, else from one launched now; before they are read, the next run is
-        launched (if launch_next and it can go on alone)."""
+    def run(self, batch, seqs, sampling, launch_next, speculate=False):
+        """(num_steps, R) sampled tokens of a batch the graphs take, and None (or a speculating run's drafts, below). A
+        lone prompt's: the smallest prefill graph that holds it, one replay; verification chunks': the verification
+        graph of their bucket, one replay. Decode rows', speculating with n-gram drafts: a SpecGraph run (tokens -1
+        after a row's last, and the drafts it verified: SpecGraph.run). Else from the run in flight if it computes
+        them, or from one launched now; before they are read, the next run is launched (if launch_next and it can go
+        on alone)."""
         if len(batch.input_ids) != len(seqs):
             self.in_flight = None
-            return self.prefills[min(T for T in self.prefills if T >= len(batch.input_ids))].run(batch, sampling)
+            return self.prefills[min(T for T in self.prefills if T >= len(batch.input_ids))].run(batch, sampling), None
         if any(s.draft for s in seqs):
             self.in_flight = None
-            return self.verify[min(B for B in self.verify if B >= len(batch.cu_seqlens_q) - 1)].run(batch, sampling)
+            return self.verify[min(B for B in self.verify if B >= len(batch.cu_seqlens_q) - 1)].run(batch, sampling), \
+                None
+        if speculate and self.spec:
+            graph = self.spec[next(b for b in GRAPH_BUCKETS if b >= len(seqs))]
+            plan = plan_run(self.kv, seqs, 0, self.num_scheduler_steps, self.n_ctx, graph.T)
+            if plan is not None:  # else too few free blocks for a whole chunk: a plain step
+                self.in_flight = None
+                return graph.run(seqs, sampling, plan)
         run = self.in_flight
         if not (run and all(run.first_positions.get(s.seq_id) == len(s.token_ids) - 1 for s in seqs)):
             plan = plan_run(self.kv, seqs, 0, self.num_scheduler_steps, self.n_ctx)  # the scheduler reserved step 1
@@ -317,7 +410,7 @@ class GraphRunner:
             run = graph.launch(seqs, sampling, plan)
         self.in_flight = self._next_run(run, seqs) if launch_next else None
         row_of = {s.seq_id: row for row, s in enumerate(run.seqs)}
-        return run.tokens()[:, [row_of[s.seq_id] for s in seqs]]
+        return run.tokens()[:, [row_of[s.seq_id] for s in seqs]], None
 
     def _graph_for(self, rows):
         return self.graphs[next(b for b in GRAPH_BUCKETS if b >= rows)]

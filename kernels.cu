@@ -17,6 +17,8 @@
 //  10. penalize          the logits processors before sampling: repetition, presence, frequency penalties, bans
 //  11. sample           one token per row: greedy, or an exponential race over the kept tokens
 //  12. decode_advance    CUDA-graph helper: the next decode step's inputs, made on the GPU
+//  13. ngram_propose     CUDA-graph helper: each row's n-gram draft and its verification chunk's inputs
+//  14. spec_accept       CUDA-graph helper: the drafts a verification kept, into the token history
 
 #include <cuda_fp16.h>
 #define NEG_INF __int_as_float(0xff800000)
@@ -1212,6 +1214,74 @@ extern "C" __global__ void decode_advance(const int* tokens, int* input_ids, int
     context_lens[i] = pos + 1;
     token_index[i] += 1;
     slot_mapping[i] = blk < max_blocks ? block_tables[(long)i * max_blocks + blk] * block_size + pos % block_size : -1;
+}
+
+// 13. ngram_propose: a speculating graph step's first kernel (n-gram speculation chained on the GPU: SpecGraph in
+// graph_runner.py; speculation.NgramProposer.propose is the same rule on the host). Block b drafts for row b from its
+// token history: the latest end e of the longest earlier match of its last tokens (n_min..n_max of them), and what
+// followed it, copied LZ77-style (draft i = ids[e + 1 + i % d], d = L - 1 - e: a match near the end repeats as a loop).
+// Then the row's verification chunk of T = k + 1 queries: its last token and the draft at positions L - 1 + j, the rest
+// pads (no cache slot) at the last real position; the chunk is declared T queries long (context L + T - 1), so query
+// j sees L + j keys, as graph_runner.ChunkGraph pads a chunk. A finished row (remaining 0) is padding throughout.
+// Tiny: the history's L ints read ~n_max times (L2), a thread per end.
+extern "C" __global__ void ngram_propose(const int* history, const int* length, const int* remaining,
+                                         const int* token_base, int* ndraft, int* input_ids, int* positions,
+                                         int* slot_mapping, int* context_lens, int* row_len, int* token_index,
+                                         const int* block_tables, int width, int block_size, int n_ctx, int T,
+                                         int n_min, int n_max) {
+    wait_for_inputs();
+    __shared__ int best;  // (match length << 20) | end: the longest, then the latest
+    const int b = blockIdx.x, L = length[b], left = remaining[b];
+    const int* ids = history + (long)b * n_ctx;
+    const int room = left > 0 ? min(T - 1, left - 1) : 0;  // left: the tokens it may still make (context included)
+    if (threadIdx.x == 0) best = -1;
+    __syncthreads();
+    for (int e = threadIdx.x; room > 0 && e < L - 1; e += blockDim.x) {
+        int m = 0;
+        while (m < n_max && m <= e && ids[e - m] == ids[L - 1 - m]) m++;
+        if (m >= n_min) atomicMax(&best, m << 20 | e);
+    }
+    __syncthreads();
+    const int nd = best < 0 ? 0 : room, e = best & 0xfffff, d = L - 1 - e, live = left > 0;
+    for (int j = threadIdx.x; j < T; j += blockDim.x) {
+        const int i = b * T + j, pos = live ? L - 1 + min(j, nd) : 0, blk = pos / block_size;
+        input_ids[i] = !live ? 0 : j == 0 ? ids[L - 1] : j <= nd ? ids[e + 1 + (j - 1) % d] : 0;
+        positions[i] = pos;
+        slot_mapping[i] = live && j <= nd ? block_tables[(long)b * width + blk] * block_size + pos % block_size : -1;
+        token_index[i] = token_base[b] + j;
+        row_len[i] = (live ? L : 1) + j;  // attention_decode's rows (a scratch when the chunk is tiled)
+    }
+    if (threadIdx.x == 0) {
+        ndraft[b] = live ? nd : -1;
+        context_lens[b] = (live ? L : 1) + T - 1;
+    }
+}
+
+// 14. spec_accept: a speculating graph step's last kernel. Row b (a thread) keeps its draft up to the first token that
+// differs from the token sampled in its place (tokens, T a row), and that sampled token: a + 1 tokens, appended to its
+// history, its length, remaining tokens and sampling counter moved on; the step's ring entry (per row its own step
+// count: rows never wait for each other) is [a + 1, drafts verified, the kept tokens]. Rejected positions' K/V are
+// written again by the next step, which starts at the new last token. Tiny: a thread per row, ~T ints.
+extern "C" __global__ void spec_accept(const int* tokens, const int* input_ids, const int* ndraft, int* history,
+                                       int* length, int* remaining, int* token_base, int* step, int* ring, int B, int T,
+                                       int n_ctx) {
+    wait_for_inputs();
+    const int b = blockIdx.x * blockDim.x + threadIdx.x;
+    if (b >= B) return;
+    const int nd = ndraft[b], L = length[b];
+    int* entry = ring + ((long)step[b]++ * B + b) * (T + 2);
+    if (nd < 0) {  // padding, or finished
+        entry[0] = entry[1] = 0;
+        return;
+    }
+    int a = 0;
+    while (a < nd && tokens[b * T + a] == input_ids[b * T + a + 1]) a++;
+    entry[0] = a + 1;
+    entry[1] = nd;
+    for (int j = 0; j <= a; j++) entry[2 + j] = history[(long)b * n_ctx + L + j] = tokens[b * T + j];
+    length[b] = L + a + 1;
+    remaining[b] -= a + 1;
+    token_base[b] += a + 1;
 }
 
 // The templates' instantiations, one list: NVRTC gets them as name expressions (cuda_backend reads them here), and

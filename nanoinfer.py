@@ -27,7 +27,7 @@ from sampling_params import (CompletionOutput, Logprob, Penalties, RequestOutput
                              add_prompt_logprobs, check_engine_arguments, logprobs_of, penalties, refuse_request,
                              sample_seed, token_indices)  # (API)
 from scheduler import Request, Scheduler, Sequence
-from speculation import DraftModelProposer, NgramProposer, draft_row
+from speculation import DraftModelProposer, NgramProposer, count_drafts, draft_row
 
 # -----------------------------------------------------------------------------
 # the numpy backend: the readable definition of every op, the reference in tests, and a CPU engine
@@ -313,29 +313,33 @@ class ModelRunner:
     batches replay CUDA graphs instead (graph_runner.GraphRunner), each recording decode_step, which mirrors eager():
     the graphs are captured here, at start-up, one per batch size, and each graph run is launched while the host still
     reads the run before it, so the tokens of a decode step may come from a run launched a step earlier."""
-    def __init__(self, model, kv, cuda_graphs=True, num_scheduler_steps=16, max_num_seqs=256, verify_tokens=0):
+    def __init__(self, model, kv, cuda_graphs=True, num_scheduler_steps=16, max_num_seqs=256, verify_tokens=0,
+                 ngram=None):
         self.model, self.kv, self.graphs, self.admission_group = model, kv, None, 1
         if cuda_graphs and model.backend.name == "cuda":
             from graph_runner import GraphRunner
             t0 = time.perf_counter()
             self.graphs = GraphRunner(self.decode_step, model.backend, kv, model.config.n_ctx, max_num_seqs,
-                                      num_scheduler_steps, verify_tokens)
+                                      num_scheduler_steps, verify_tokens, ngram)
             self.admission_group = self.graphs.admission_group  # admissions end graph runs: let requests in by groups
             b = self.graphs.buckets
             log(f"captured {len(b) + len(self.graphs.prefills) + len(self.graphs.verify)} CUDA graphs (decode batches "
                 f"of {b[0]} to {b[-1]} rows, lone prefills of up to {max(self.graphs.prefills, default=0)} tokens" +
-                (f", as many of verification chunks of {verify_tokens}" if verify_tokens else "") +
+                (f", as many of {'n-gram steps' if ngram else 'verification chunks'} of {verify_tokens}"
+                 if verify_tokens else "") +
                 f") in {time.perf_counter() - t0:.1f} s")
 
-    def run(self, batch, seqs, launch_next=True):
-        """(steps, R) sampled tokens of the rows that sample (seqs), and (R, V) host logits if any wants logprobs.
-        launch_next: a graph run may launch the next one before its tokens are read."""
+    def run(self, batch, seqs, launch_next=True, speculate=False):
+        """(steps, R) sampled tokens of the rows that sample (seqs); (R, V) host logits if any wants logprobs; and, of
+        a graph run of n-gram speculation, the drafts it verified (GraphRunner.run), else None. launch_next: a graph
+        run may launch the next one before its tokens are read; speculate: decodes may run n-gram speculation."""
         if self.graphs is None:
-            return self.eager(batch, seqs)
+            return *self.eager(batch, seqs), None
         if self.graphs.takes(batch, seqs):  # decode steps, and a lone prompt's prefill (not ~100 launches)
-            return self.graphs.run(batch, seqs, sampling_arrays(seqs), launch_next), None
+            tokens, drafts = self.graphs.run(batch, seqs, sampling_arrays(seqs), launch_next, speculate)
+            return tokens, None, drafts
         with self.graphs.eager():  # on the graphs' stream, after everything they launched
-            return self.eager(batch, seqs)
+            return *self.eager(batch, seqs), None
 
     def eager(self, batch, seqs):
         """The step as it reads: op by op, then the sampler: (1, R) tokens, and the logits for log-probs (the R rows
@@ -443,8 +447,11 @@ class LLM:
             f"{block_size}; max_num_seqs={max_num_seqs} x n_ctx={c.n_ctx} is the most it can use")
         self.speculator = spec and (DraftModelProposer(spec, c.n_ctx, draft.attach(self.kv, cuda_graphs, max_num_seqs),
                                                        self.kv) if draft else NgramProposer(spec, c.n_ctx))
+        ngram = isinstance(self.speculator, NgramProposer) and (self.speculator.n_min, self.speculator.n_max)
         self.runner = ModelRunner(self.model, self.kv, cuda_graphs, num_scheduler_steps, max_num_seqs,
-                                  self.speculator and self.speculator.k + 1)  # a graph for a verification chunk
+                                  self.speculator and self.speculator.k + 1, ngram)  # graphs of verification chunks
+        if ngram and self.runner.graphs:  # the GPU drafts for the decodes its graphs take (graph_runner.SpecGraph)
+            self.speculator.on_device = True
         self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens, self.runner.admission_group,
                                    self.speculator)
         self._rng = np.random.default_rng(seed)  # seeds for requests that bring none
@@ -523,13 +530,13 @@ class LLM:
                 # (steps, R) new tokens; (R, V) logits for logprobs. A graph run launches the next one before its
                 # tokens are read, unless a request waits to come in (the next step admits it, eagerly) or the next
                 # step may verify a draft (it would drop that run: a draft is made from the tokens the host has)
-                drafts_next = self.speculator and self.speculator.active(len(self.scheduler.running))
-                tokens, logits = self.runner.run(batch, seqs, launch_next=not (self.scheduler.wants_admission() or
-                                                                               drafts_next))
+                drafts_next = bool(self.speculator) and self.speculator.active(len(self.scheduler.running))
+                tokens, logits, drafts = self.runner.run(batch, seqs, not (self.scheduler.wants_admission() or
+                                                                           drafts_next), drafts_next)
                 for seq, n in scheduled:
                     seq.num_computed += n  # their K/V are in the cache now
                 add_prompt_logprobs(prompt_rows, logits, len(seqs), self.tokenizer)
-                events = self._postprocess(seqs, tokens, logits)
+                events = self._postprocess(seqs, tokens, logits, drafts)
                 for seq, _ in scheduled:  # their full blocks, findable now (those that finished: when freed)
                     self.kv.name_computed(seq.seq_id, seq.token_ids, seq.num_computed)
         except BaseException as e:
@@ -559,16 +566,21 @@ class LLM:
         return self._events([ended for seq in saved
                              for ended in self._requests[seq.request_id].finish("error", message, self.scheduler, seq)])
 
-    def _postprocess(self, seqs, tokens, logits):
-        """Hand each sequence its tokens until one finishes it (the rest dropped, blocks freed): an event each."""
+    def _postprocess(self, seqs, tokens, logits, drafts=None):
+        """Hand each sequence its tokens until one finishes it (the rest dropped, blocks freed): an event each. drafts:
+        a speculating graph run's (its rows' tokens end at -1)."""
         drafted = {}  # speculation.py's: a drafting sequence's output count before this step
         for row, seq in enumerate(seqs):
             if seq.index == 0 and seq.num_output == 0:  # a request's first sample, at its first token
                 self._requests[seq.request_id].fork(self.kv, self.scheduler)
-            j = draft_row(seqs, row, drafted, self.speculator) if self.speculator else 0  # its draft's row, or None
-            if j is None:
+            j = draft_row(seqs, row, drafted, self.speculator) if self.speculator and drafts is None else 0
+            if j is None:  # a row of its sequence's draft after the first token sampled otherwise
                 continue
             for i, token in enumerate(tokens[:, row]):
+                if token < 0:
+                    break
+                if drafts is not None:
+                    count_drafts(seq, drafts[i, row], self.speculator)
                 if i > 0 or j > 0:  # a later step of a run, or a kept draft token, computed the token before
                     seq.num_computed += 1
                 if logits is not None and seq.logprobs is not None:

@@ -36,6 +36,7 @@ class Proposer:
         if self.max_batch is not None and (not isinstance(self.max_batch, int) or self.max_batch < 1):
             raise ValueError(f"speculative_config={config!r}: disable_by_batch_size is an integer >= 1 (or absent)")
         self.n_ctx, self.proposed, self.accepted = n_ctx, 0, 0
+        self.on_device = False  # the GPU drafts for the decodes its graphs take (n-gram: graph_runner.SpecGraph)
 
     def active(self, batch):
         """Whether a step of `batch` running sequences drafts (vLLM's disable_by_batch_size): a large batch's step
@@ -43,10 +44,10 @@ class Proposer:
         return self.max_batch is None or batch <= self.max_batch
 
     def room(self, seq, budget):
-        """How many tokens seq may draft: at most k, the tokens it may still make but one, what fits the context,
-        and the step's token budget."""
+        """How many tokens seq may draft: at most k, the tokens it may still make (by max_tokens and the context) but
+        one, and the step's token budget."""
         p = seq.params
-        return max(0, min(self.k, budget, p.max_tokens - seq.num_output - 1, self.n_ctx - len(seq.token_ids)))
+        return max(0, min(self.k, budget, min(p.max_tokens - seq.num_output, self.n_ctx - len(seq.token_ids)) - 1))
 
     def fill(self, seqs):
         """Make the drafts of this step's sequences (those the scheduler gave room to): the n-gram's are made."""
@@ -68,7 +69,7 @@ class NgramProposer(Proposer):
         came next, as much as its room holds. Copied as LZ77 copies: a token at a time, so that an occurrence close
         to the end runs on into the draft itself (d tokens back: the last d tokens repeated, as in a loop of d)."""
         room = self.room(seq, budget)
-        if room <= 0:
+        if room <= 0 or self.on_device and seq.logprobs is None and not seq.edits_logits:
             return []
         ids = np.asarray(seq.token_ids)
         ends, found = np.flatnonzero(ids[:-1] == ids[-1]), None  # where earlier occurrences of the last token end
@@ -170,3 +171,14 @@ def draft_row(seqs, row, drafted, proposer):
         proposer.accepted += 1
         seq.num_accepted_tokens += 1
     return j
+
+
+def count_drafts(seq, drafts, proposer):
+    """vLLM's counters for one token of a speculating graph run (SpecGraph.run's drafts): a step's first token counts
+    the draft tokens that step verified, each kept draft token after it (-1) one accepted."""
+    if drafts >= 0:
+        proposer.proposed += drafts
+        seq.num_draft_tokens += drafts
+    else:
+        proposer.accepted += 1
+        seq.num_accepted_tokens += 1

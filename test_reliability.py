@@ -170,19 +170,23 @@ def test_a_failed_step_is_undone(tiny, dev, point, error, at, monkeypatch):
 
 
 VERIFY_POINTS = {"forward": FAULT_POINTS["forward"], "draft_row": lambda llm: (ni, "draft_row"),
-                 "append": FAULT_POINTS["append"]}
+                 "append": FAULT_POINTS["append"], "spec_run": lambda llm: (graph_runner.SpecGraph, "run")}
+VERIFY_CASES = [pytest.param(d.values[0], point, marks=d.marks, id=f"{point}-{d.id}") for d in EXACT_DEVICES
+                for point in VERIFY_POINTS if d.values[0].device == "cuda" or point != "spec_run"]
 
 
 @pytest.mark.parametrize("error", [Fault, KeyboardInterrupt], ids=["error", "interrupt"])
-@pytest.mark.parametrize("point", VERIFY_POINTS)
-@pytest.mark.parametrize("dev", EXACT_DEVICES)
+@pytest.mark.parametrize("dev,point", VERIFY_CASES)
 def test_a_failed_verification_step_is_undone(tiny, dev, point, error, monkeypatch):
     """Speculative decoding on: an exception in the first step that verifies drafts (in its forward, while its
-    draft rows are judged, or while its kept tokens are appended) is undone as any step is, and every request then
-    gets plain decoding's tokens: no rejected draft's KV is read or found in the prefix cache."""
+    draft rows are judged, while its kept tokens are appended; on the GPU also in a run of chained n-gram steps,
+    graph_runner.SpecGraph) is undone as any step is, and every request then gets plain decoding's tokens: no
+    rejected draft's KV is read or found in the prefix cache."""
     llm = make_llm(tiny, dev, num_kv_tokens=64, block_size=4, max_num_batched_tokens=16,
                    speculative_config={"method": "ngram", "num_speculative_tokens": 3})
-    verifying, error = lambda: any(s.draft for s in llm.scheduler.running), error("injected")  # noqa: E731
+    # a step verifies host drafts, or (on the GPU) comes after drafts were verified there
+    verifying = lambda: any(s.draft for s in llm.scheduler.running) or llm.speculator.proposed > 0  # noqa: E731
+    error = error("injected")
     check_undone(tiny, dev, llm, error, lambda: inject(monkeypatch, *VERIFY_POINTS[point](llm), error, 1, verifying),
                  1, monkeypatch, point)
     assert llm.speculator.proposed > 0
