@@ -274,8 +274,12 @@ def bench_gpu(path, repeats):
         path, "cuda", repeats, gpu_memory_utilization=0.2)
     ngram, by_gpt2 = {"method": "ngram", "num_speculative_tokens": 4}, {"model": str(path), "num_speculative_tokens": 4}
     copy = [rng.integers(0, 50000, 32).tolist() * 8]  # a prompt repeating itself: what n-gram drafts find
+    # a prompt whose continuation repeats it: random weights copy no text, but their greedy tail falls into a loop
+    looping = [copy[0] + llm.generate(copy, greedy(256), use_tqdm=False)[0].outputs[0].token_ids]
     lessons["speculative decoding (speculative_config), greedy, against plain decoding"] = speculation_lesson([
         ("n-gram, a prompt repeating itself, single stream", str(path), ngram, copy, 256, 4096),
+        ("n-gram, a prompt its continuation repeats (the model's own loop), single stream", str(path), ngram, looping,
+         256, 4096),
         ("n-gram, gpt2-xl, a prompt repeating itself", "random:gpt2-xl", ngram, copy, 128, 4096),
         ("n-gram, 256 of them", str(path), ngram, copy * 256, 128, 110_000),
         ("n-gram, 256 of them, drafting once at most 16 run (disable_by_batch_size)", str(path),

@@ -7,6 +7,7 @@ device arrays, and a graph records exactly that. Only nanoinfer.py imports it (f
 - DecodeGraph: one decode step of up to B rows as one CUDA graph, replayed num_steps times a run.
 - ChunkGraph: chunks of up to T tokens of up to B sequences as one CUDA graph: a lone prompt's prefill, or decodes'
   verification chunks (each its last token and its draft: speculation.py).
+- SpecGraph: n-gram speculation's steps chained on the GPU: each replay drafts, verifies and keeps, many a run.
 - GraphRunner: which batches the graphs take, and the run launched one step ahead of the host.
 """
 import contextlib

@@ -14,6 +14,10 @@ token id), at the same index, from logits over the same tokens before it (a kept
 decoding sampled there), with the log-probs, penalties, bias and bans plain decoding gives that position (a row after
 j draft tokens counts them as its output: sampling_params.penalties). A rejected position's KV is never read: the
 next step writes that slot again. So whatever the draft, however wrong, only the speed changes.
+
+This file is the rule, run by the host. On the GPU, n-gram steps chain without it (graph_runner.SpecGraph: kernels
+make the same drafts from a token history kept there, and keep the same tokens, many steps a run); the host drafts
+only for requests the graphs do not take (log-probs, logits edits), and a draft model always.
 """
 import dataclasses
 import types
