@@ -260,7 +260,8 @@ class SpecGraph:
     and its chunk of T = k + 1 queries; a ChunkGraph's forward samples a token at every query; spec_accept keeps the
     draft up to its first miss, and the token sampled there, appended to the history. A row's kept tokens vary from
     step to step, so each step leaves them in a ring with their count, read once a run; a row that has made all it
-    may turns to padding. The host pays once a run, not once a step (~0.35 ms, more than a GPT-2 124M step)."""
+    may turns to padding. The host pays once a run, not once a step (its work for a step costs more than a GPT-2
+    124M step's GPU time: NOTES.md)."""
     STATE = ("history", "length", "remaining", "token_base", "ndraft", "step")
 
     def __init__(self, chunk_step, backend, kv, n_ctx, k, n_min, n_max, stream, pool, B):
