@@ -215,3 +215,17 @@ def test_stress_on_the_emulated_gpu(tiny, wide, emulated_gpu):
     """test_kv_scheduler's hypothesis stress test with device="cuda" emulated: random requests arriving, aborted,
     preempted, speculating, each ending with its solo output, now through the graph runner's runs and chunks."""
     stress_test(tiny=tiny, wide=wide, dev=Dev("cuda", "float32"))
+
+
+@pytest.mark.parametrize("error", ["error", "interrupt"])
+@pytest.mark.parametrize("point", ["spec_run", "append"])
+def test_a_failed_speculating_run_is_undone_on_the_emulated_gpu(tiny, emulated_gpu, point, error):
+    """test_reliability's fault in a verification step, through the graph runner's chained n-gram runs (SpecGraph)
+    with the GPU emulated: an error or a Ctrl-C while a run's tokens are read, or while they are appended, is undone;
+    every request then gets plain decoding's tokens and every block is free. (The fault's own monkeypatch: undoing
+    it must leave the emulation in place.)"""
+    import test_reliability
+    with pytest.MonkeyPatch.context() as faults:
+        test_reliability.test_a_failed_verification_step_is_undone(
+            tiny=tiny, dev=Dev("cuda", "float32"), point=point, monkeypatch=faults,
+            error={"error": test_reliability.Fault, "interrupt": KeyboardInterrupt}[error])
