@@ -300,7 +300,8 @@ class SpecGraph:
         last, and `drafts` beside them: a step's first kept token carries the draft tokens that step verified, each
         kept draft token after it -1."""
         n, T, c = len(seqs), self.T, self.chunk
-        self.host_state[:] = 0
+        for f in self.STATE[1:]:  # the history past a row's length is never read: not cleared
+            self.host[f][:] = 0
         history = self.host["history"].reshape(self.B, self.n_ctx)
         for row, seq in enumerate(seqs):
             history[row, :len(seq.token_ids)] = seq.token_ids
@@ -311,8 +312,8 @@ class SpecGraph:
         tables = host[start:start + shape[0] * shape[1]].reshape(shape)
         tables[:] = 0
         tables[:n, :plan.block_tables.shape[1]] = plan.block_tables
-        for f, at in c.sampling_at.items():  # a row's parameters on each of its T queries (padding: greedy)
-            values = np.zeros(self.B, DecodeGraph.TYPES.get(f, np.int32))
+        for f, at in c.sampling_at.items():  # a row's parameters on each of its T queries (padding: DecodeGraph's)
+            values = np.full(self.B, DecodeGraph.PADDING[f], DecodeGraph.TYPES.get(f, np.int32))
             values[:n] = getattr(sampling, f)
             host[at].view(values.dtype)[:] = np.repeat(values, T)
         c.dev_buffer.set(host, stream=self.stream)

@@ -167,19 +167,18 @@ def draft_row(seqs, row, drafted, proposer):
     seq = seqs[row]
     if seq.draft and j == 0:
         drafted[seq], seq.num_computed = seq.num_output, seq.num_computed - len(seq.draft)
-        proposer.proposed += len(seq.draft)
-        seq.num_draft_tokens += len(seq.draft)
+        count_drafts(seq, len(seq.draft), proposer)
     elif j > 0:
         if seq.finish_reason or seq.num_output != drafted[seq] + j or seq.token_ids[-1] != seq.draft[j - 1]:
             return None
-        proposer.accepted += 1
-        seq.num_accepted_tokens += 1
+        count_drafts(seq, -1, proposer)
     return j
 
 
 def count_drafts(seq, drafts, proposer):
-    """vLLM's counters for one token of a speculating graph run (SpecGraph.run's drafts): a step's first token counts
-    the draft tokens that step verified, each kept draft token after it (-1) one accepted."""
+    """vLLM's counters, for one of seq's tokens: the first of a step counts the draft tokens that step verified
+    (`drafts`), each kept draft token after it (-1) one accepted. draft_row's, and a speculating graph run's (its
+    drafts beside its tokens: SpecGraph.run)."""
     if drafts >= 0:
         proposer.proposed += drafts
         seq.num_draft_tokens += drafts
