@@ -445,8 +445,8 @@ class LLM:
                                weights, c, self.tokenizer.n_vocab, tp, self.kv)
         log(f"KV cache: {blocks * block_size:,} tokens ({self.kv.nbytes / 2 ** 30:.2f} GiB), {blocks} blocks of "
             f"{block_size}; max_num_seqs={max_num_seqs} x n_ctx={c.n_ctx} is the most it can use")
-        self.speculator = spec and (DraftModelProposer(spec, c.n_ctx, draft.attach(self.kv, cuda_graphs, max_num_seqs),
-                                                       self.kv) if draft else NgramProposer(spec, c.n_ctx))
+        self.speculator = None if spec is None else NgramProposer(spec, c.n_ctx) if not draft else \
+            DraftModelProposer(spec, c.n_ctx, draft.attach(self.kv, cuda_graphs, max_num_seqs), self.kv)
         ngram = isinstance(self.speculator, NgramProposer) and (self.speculator.n_min, self.speculator.n_max)
         self.runner = ModelRunner(self.model, self.kv, cuda_graphs, num_scheduler_steps, max_num_seqs,
                                   self.speculator and self.speculator.k + 1, ngram)  # graphs of verification chunks

@@ -388,7 +388,7 @@ def test_speculation_changes_no_token(tiny, wide, dev, method):
                    for sc in (None, spec))
     assert [[(c.token_ids, c.logprobs) for c in o.outputs] for o in outs] == \
         [[(c.token_ids, c.logprobs) for c in o.outputs] for o in plain]
-    for bad in ({"method": "draft"}, {"method": "ngram", "num_speculative_tokens": 0}, "ngram",
+    for bad in ({"method": "draft"}, {"method": "ngram", "num_speculative_tokens": 0}, "ngram", 0, {},
                 {"model": str(wide.path)}, {"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}):
         with pytest.raises(ValueError, match="speculative_config"):
             make_llm(tiny, dev, speculative_config=bad)
