@@ -272,7 +272,8 @@ def bench_gpu(path, repeats):
     workloads = [("single stream", one, 256), ("offline", prompts, lens)]
     lessons["prefix caching (enable_prefix_caching), on against off"] = prefix_caching_lesson(
         path, "cuda", repeats, gpu_memory_utilization=0.2)
-    ngram, by_gpt2 = {"method": "ngram", "num_speculative_tokens": 4}, {"model": str(path), "num_speculative_tokens": 4}
+    # k 5, as vLLM's n-gram example has it (NOTES, speculative decoding: k on this prompt)
+    ngram, by_gpt2 = {"method": "ngram", "num_speculative_tokens": 5}, {"model": str(path), "num_speculative_tokens": 4}
     copy = [rng.integers(0, 50000, 32).tolist() * 8]  # a prompt repeating itself: what n-gram drafts find
     # a prompt whose continuation repeats it: random weights copy no text, but their greedy tail falls into a loop
     looping = [copy[0] + llm.generate(copy, greedy(256), use_tqdm=False)[0].outputs[0].token_ids]
