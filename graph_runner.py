@@ -407,7 +407,9 @@ class GraphRunner:
                 return graph.run(seqs, sampling, plan)
         run = self.in_flight
         if not (run and all(run.first_positions.get(s.seq_id) == len(s.token_ids) - 1 for s in seqs)):
-            plan = plan_run(self.kv, seqs, 0, self.num_scheduler_steps, self.n_ctx)  # the scheduler reserved step 1
+            # one step when the host drafts next (a draft model's): more would run past tokens the draft could make
+            steps = 1 if speculate else self.num_scheduler_steps
+            plan = plan_run(self.kv, seqs, 0, steps, self.n_ctx)  # the scheduler reserved step 1
             graph = self._graph_for(len(seqs))
             graph.start(np.array([s.token_ids[-1] for s in seqs], np.int32), sampling._asdict(), plan)
             run = graph.launch(seqs, sampling, plan)

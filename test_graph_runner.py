@@ -211,6 +211,20 @@ def test_graph_runner_gives_the_eager_tokens(tiny, emulated_gpu, monkeypatch):
     assert {1, 8} <= {B for B, _ in spec_runs} and max(n for _, n in spec_runs) == 16  # n-gram: chained on the GPU
 
 
+def test_a_prompt_found_whole_in_the_prefix_cache_drafts_at_once(tiny, emulated_gpu):
+    """A prompt found in the prefix cache up to its last token computes that token alone, a step shaped like a decode:
+    with a draft model (drafts made on the host) it runs one graph step, not a run of 16, so the next step verifies
+    drafts. Its tokens are the eager engine's."""
+    prompt = random_ids(2 * 16 + 1, 7)  # two full blocks cached, then its last token
+    spec = {"model": str(tiny.path), "num_speculative_tokens": 3}
+    graphed, eager = (LLM(str(tiny.path), device=d, num_kv_tokens=1024, speculative_config=spec) for d in ("cuda", "cpu"))
+    for llm in (graphed, eager):
+        llm.generate([prompt], greedy(2), use_tqdm=False)
+    want, got = (llm.generate([prompt], greedy(8), use_tqdm=False)[0] for llm in (eager, graphed))
+    assert got.num_cached_tokens == 32 and got.outputs[0].token_ids == want.outputs[0].token_ids
+    assert got.num_draft_tokens > 0, "the first decode step ran a plain 16-step run, no drafts"
+
+
 def test_stress_on_the_emulated_gpu(tiny, wide, emulated_gpu):
     """test_kv_scheduler's hypothesis stress test with device="cuda" emulated: random requests arriving, aborted,
     preempted, speculating, each ending with its solo output, now through the graph runner's runs and chunks."""
