@@ -48,13 +48,15 @@ def repeated(llm, prompts, max_tokens, repeats):
 
 
 def a_against_b(run_a, run_b, workloads, repeats):
-    """Two ways of the same work, run_x(prompts, max_tokens) -> tokens/s, alternating so that drifts hit both, on
-    each (label, prompts, max_tokens) of workloads: medians and their ratio."""
+    """Two ways of the same work, run_x(prompts, max_tokens) -> tokens/s, alternating (each first in every other
+    round) so that drifts and warm caches hit both, on each (label, prompts, max_tokens) of workloads: medians and
+    their ratio."""
     results = []
     for label, prompts, max_tokens in workloads:
         runs = ([], [])
-        for _ in range(repeats):
-            for times, run in zip(runs, (run_a, run_b)):
+        for i in range(repeats):
+            pairs = list(zip(runs, (run_a, run_b)))
+            for times, run in pairs[::-1] if i % 2 else pairs:
                 times.append(run(prompts, max_tokens))
         a, b = map(np.median, runs)
         results.append(f"{label} {a:,.1f} against {b:,.1f} ({a / b:.1%})")
