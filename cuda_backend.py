@@ -120,7 +120,7 @@ def launch_dependent(kernel, grid, block, args, shared_mem):
 # 2. the op set as kernels, and the plans that pick a kernel for each shape
 
 SPLITK_SCRATCH = 1 << 22  # floats of split-K partial sums (16 MB), enough for every GPT-2 decode shape
-GEMV_LIGHT = 8 << 20  # matrices up to this many bytes take the lighter gemv: room on the SM for the next kernel
+GEMV_SHORT = 8 << 20  # fp16 matrices up to this many bytes take the gemv's shorter rounds
 SKINNY_MAX_M = 8  # decode batches up to this many rows stream the weights through matmul_skinny
 SKINNY_BLOCKS_PER_SM = 6  # ... their K split until the SMs hold this many blocks each (more loads in flight)
 LAYERNORM_BLOCKS_PER_SM = 16  # a layernorm's blocks (a row each) beyond this many an SM take further rows in turn
@@ -168,10 +168,10 @@ def plan_matmul(M, N, K, ln, dtype, num_sms, invariant=False, int8=False):
     weight = "i8" if int8 else "half"
     if M == 1 and K * 2 <= GEMV_SMEM and N <= 16384 and (not ln or K <= 2048):
         # one stream's decode: warps streaming rows of w, as many each, in at most 2 blocks an SM; the lm_head's 50257
-        # rows stream as fast through the tensor cores. R 16-byte loads a lane in flight: 8 keep the most bytes in
-        # flight; 4 up to GEMV_LIGHT bytes, so that the next kernel's blocks fit beside
+        # rows stream as fast through the tensor cores. Rounds of R 16-byte loads a lane: 8 for gpt2-xl's long fp16
+        # rows, 4 (3 rounds in flight) for int8's rows, half as long, and for matrices up to GEMV_SHORT bytes
         rows_per_warp = cdiv(N, 8 * 2 * num_sms)
-        R = 4 if N * K * (1 if int8 else 2) <= GEMV_LIGHT else 8
+        R = 4 if int8 or N * K * 2 <= GEMV_SHORT else 8
         return MatmulPlan(f"matmul_gemv<{weight},{R}>", (cdiv(cdiv(N, rows_per_warp), 8), 1, 1), 256, K * 2,
                           ln_fused=ln, rows_per_warp=rows_per_warp)
     if M <= SKINNY_MAX_M:  # small decode batches: 16 rows of w per block through the tensor cores, K split >= 16 ways

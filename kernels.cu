@@ -399,17 +399,18 @@ __global__ void dequantize(const i8* q, T* out, long n) {  // n % 8 == 0
 // 6. matmul_gemv: y = epilogue(ln(x) @ w.T) for the one row of x of a single stream's decode (from two rows on,
 // matmul_skinny's tensor cores are faster), its layernorm fused in the prologue. Memory-bound: N*K weights read once
 // (2 bytes each, 1 in int8), 2*N*K FLOPs. Warp i takes rows [i * rows_per_warp, ...), as many for every warp (the rest
-// would wait for those with one more), in rounds of R 16-byte loads a lane (32 R loads of a row), the next round on its
-// way during this one's dot products (two register buffers). R = 8 keeps the most bytes in flight, 2 blocks an SM;
-// R = 4 leaves room on the SM for the next kernel's blocks (dependent launch) to load their weights beside this one's.
+// would wait for those with one more), in rounds of R 16-byte loads a lane (32 R loads of a row), D rounds on their way
+// during one round's dot products (D register buffers, 2 blocks an SM). R = 8 (D = 2) suits rows of ~200 loads (fp16
+// K 1600, one round a row); R = 4 (D = 3) rows of ~100 (gpt2's K 768, int8's K 1600), where R 8 leaves most lanes idle,
+// and matrices up to 8 MB; a third round in flight keeps as many bytes on their way with the shorter rounds.
 // x goes to shared memory while the first rounds fly, normalised given ln_w (two block-wide sums): one L2 read of it a
 // block, no layernorm kernel.
 template <typename W, int R>
-__global__ void __launch_bounds__(256, R == 4 ? 4 : 2) matmul_gemv(
+__global__ void __launch_bounds__(256, 2) matmul_gemv(
     const half* x, const W* __restrict__ w, const float* __restrict__ scale, const half* __restrict__ bias,
     const half* residual, void* __restrict__ y, int N, int K, int gelu, int y_f32, const half* __restrict__ ln_w,
     const half* __restrict__ ln_b, float eps, int rows_per_warp) {
-    constexpr int E = 16 / sizeof(W);  // weights a load
+    constexpr int E = 16 / sizeof(W), D = R == 4 ? 3 : 2;  // weights a load, rounds in flight
     extern __shared__ __align__(16) unsigned char smem[];
     half* xs = reinterpret_cast<half*>(smem);  // (K,): the row of x, normalised when ln_w is given
     const int lane = threadIdx.x & 31, first = (blockIdx.x * 8 + (threadIdx.x >> 5)) * rows_per_warp;
@@ -422,9 +423,8 @@ __global__ void __launch_bounds__(256, R == 4 ? 4 : 2) matmul_gemv(
             if (k < K) buf[j] = load16_stream(row + k);
         }
     };
-    uint4 wa[R], wb[R], gw, gb;
-    load(wa, 0);
-    load(wb, 1);
+    uint4 buf[D][R], gw, gb;
+    UNROLL for (int d = 0; d < D; d++) load(buf[d], d);
     const int k = threadIdx.x * 8;  // the layernorm's 8 values of this thread (K <= 2048)
     if (ln_w && k < K) { gw = load16(ln_w + k); gb = load16(ln_b + k); }
     wait_for_inputs();  // in a graph the first weights (and the layernorm's) are on their way while the kernel before finishes
@@ -464,11 +464,11 @@ __global__ void __launch_bounds__(256, R == 4 ? 4 : 2) matmul_gemv(
         acc = 0.f;
         if (lane == 0) store_y(y, n, epilogue(dot, scale, bias, residual, gelu, 0, n, N), y_f32);
     };
-    for (int q = 0; q < Q; q += 2) {  // while one buffer is consumed, the other is on its way
-        consume(wa, q);
-        load(wa, q + 2);
-        consume(wb, q + 1);
-        load(wb, q + 3);
+    for (int q = 0; q < Q; q += D) {  // while one buffer is consumed, the others are on their way
+        UNROLL for (int d = 0; d < D; d++) {
+            consume(buf[d], q + d);
+            load(buf[d], q + d + D);
+        }
     }
 }
 
@@ -1293,7 +1293,7 @@ extern "C" __global__ void spec_accept(const int* tokens, const int* input_ids, 
 #endif
 INSTANTIATE(matmul_tc<128,128,3>) INSTANTIATE(matmul_tc<128,128,4>) INSTANTIATE(matmul_tc<64,128,3>)
 INSTANTIATE(matmul_tc<64,128,8>) INSTANTIATE(matmul_tc<64,32,8>)
-INSTANTIATE(matmul_gemv<half,4>) INSTANTIATE(matmul_gemv<half,8>) INSTANTIATE(matmul_gemv<i8,4>) INSTANTIATE(matmul_gemv<i8,8>)
+INSTANTIATE(matmul_gemv<half,4>) INSTANTIATE(matmul_gemv<half,8>) INSTANTIATE(matmul_gemv<i8,4>)
 INSTANTIATE(matmul_skinny<half>) INSTANTIATE(matmul_skinny<i8>) INSTANTIATE(dequantize<half>) INSTANTIATE(dequantize<float>)
 INSTANTIATE(embed<float>) INSTANTIATE(cache_write<float>) INSTANTIATE(layernorm<float>) INSTANTIATE(attention_decode<float>)
 INSTANTIATE(embed<half>) INSTANTIATE(cache_write<half>) INSTANTIATE(layernorm<half>) INSTANTIATE(attention_decode<half>)
