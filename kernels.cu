@@ -402,7 +402,7 @@ __global__ void dequantize(const i8* q, T* out, long n) {  // n % 8 == 0
 // would wait for those with one more), in rounds of R 16-byte loads a lane (32 R loads of a row), D rounds on their way
 // during one round's dot products (D register buffers, 2 blocks an SM). R = 8 (D = 2) suits rows of ~200 loads (fp16
 // K 1600, one round a row); R = 4 (D = 3) rows of ~100 (gpt2's K 768, int8's K 1600), where R 8 leaves most lanes idle,
-// and matrices up to 8 MB; a third round in flight keeps as many bytes on their way with the shorter rounds.
+// and matrices up to 8 MB; there a third round in flight makes up for the shorter rounds (12 loads a lane, not 8).
 // x goes to shared memory while the first rounds fly, normalised given ln_w (two block-wide sums): one L2 read of it a
 // block, no layernorm kernel.
 template <typename W, int R>
