@@ -631,24 +631,20 @@ __global__ void __launch_bounds__(BM * 2, 256 / BM) matmul_tc(
     const int col = tid & 7, r0 = tid >> 3;  // this thread's chunk of K, and its first row
     const unsigned dst = ((r0 * 8 + (col ^ (r0 & 7))) << 4);  // RSTEP is a multiple of 8: same swizzle every row
 
-    auto load_x = [&](int stage, int kt) {
+    // The copies' addresses: a row pointer set once and a fixed stride between this thread's rows, so that a copy
+    // costs a multiply-add, not its row's index math. Rows past M or N, chunks past K: zeros, read from an address
+    // inside the matrix (the thread's last row in range, column 0).
+    const int x_rows = (M - m0 - r0 + RSTEP - 1) / RSTEP, w_rows = (N - n0 - r0 + RSTEP - 1) / RSTEP;  // in range
+    const half* xr = x + (long)min(m0 + r0, M - 1) * K;
+    const half* wr = w + (long)min(n0 + r0, N - 1) * K;
+    auto load = [&](unsigned base, const half* r, int rows, int n, int kt) {
         const int k = (kt0 + kt) * BK + col * 8;
-        const unsigned base = smem + stage * STAGE_BYTES + dst;
-        UNROLL for (int i = 0; i < BM / RSTEP; i++) {
-            int row = m0 + r0 + i * RSTEP;
-            bool ok = row < M && k < K;
-            cp_async16(base + i * RSTEP * 128, x + (ok ? (long)row * K + k : 0), ok);
-        }
+        const half* p = r + (k < K ? k : 0);
+        for (int i = 0; i < n; i++)  // (unrolled: n is BM or BN over RSTEP)
+            cp_async16(base + i * RSTEP * 128, p + (long)min(i, max(rows - 1, 0)) * RSTEP * K, i < rows && k < K);
     };
-    auto load_w = [&](int stage, int kt) {
-        const int k = (kt0 + kt) * BK + col * 8;
-        const unsigned base = smem + stage * STAGE_BYTES + dst;
-        UNROLL for (int i = 0; i < BN / RSTEP; i++) {
-            int row = n0 + r0 + i * RSTEP;
-            bool ok = row < N && k < K;
-            cp_async16(base + A_BYTES + i * RSTEP * 128, w + (ok ? (long)row * K + k : 0), ok);
-        }
-    };
+    auto load_x = [&](int stage, int kt) { load(smem + stage * STAGE_BYTES + dst, xr, x_rows, BM / RSTEP, kt); };
+    auto load_w = [&](int stage, int kt) { load(smem + stage * STAGE_BYTES + A_BYTES + dst, wr, w_rows, BN / RSTEP, kt); };
 
     // STAGES >= 4: one wgmma group runs across the barrier; loads run LAG tiles less ahead, sparing the stages it reads
     constexpr int LAG = STAGES >= 4 ? 1 : 0, AHEAD = STAGES - 1 - LAG;
@@ -660,6 +656,8 @@ __global__ void __launch_bounds__(BM * 2, 256 / BM) matmul_tc(
         cp_async_commit();
     }
     const int wg = tid / 128;
+    // stage 0's descriptors: this warpgroup's 64 rows of x, the BN rows of w
+    const unsigned long long x_desc = smem_desc(smem + wg * 64 * 128), w_desc = smem_desc(smem + A_BYTES);
     float acc[BN / 2];  // y[m][n] for m = 16 * warp + lane / 4 (+8), n = 8 j + 2 (lane % 4) (+1): acc[4 j + ...]
     UNROLL for (int i = 0; i < BN / 2; i++) acc[i] = 0.f;
     for (int kt = 0; kt < ktiles; kt++) {
@@ -671,12 +669,10 @@ __global__ void __launch_bounds__(BM * 2, 256 / BM) matmul_tc(
             load_w((kt + AHEAD) % STAGES, kt + AHEAD);
         }
         cp_async_commit();
-        const unsigned a = smem + (kt % STAGES) * STAGE_BYTES + wg * 64 * 128;  // this warpgroup's 64 rows of x
-        const unsigned b = smem + (kt % STAGES) * STAGE_BYTES + A_BYTES;        // the BN rows of w
+        // descriptors count 16 bytes: a stage further is STAGE_BYTES / 16 more, 16 halves along K are 2 more
+        const unsigned long long stage = (kt % STAGES) * (STAGE_BYTES / 16);
         wgmma_fence();
-        UNROLL for (int kk = 0; kk < BK; kk += 16) {
-            wgmma<BN>(acc, smem_desc(a + kk * 2), smem_desc(b + kk * 2));
-        }
+        UNROLL for (int kk = 0; kk < BK; kk += 16) wgmma<BN>(acc, x_desc + stage + kk / 8, w_desc + stage + kk / 8);
         wgmma_commit_and_wait<LAG>();
     }
     if constexpr (LAG > 0) wgmma_commit_and_wait<0>();  // (an empty group) the last LAG groups too
@@ -722,19 +718,38 @@ __global__ void __launch_bounds__(BM * 2, 256 / BM) matmul_tc(
                 }
             }
     }
+    // 4 runs at a time: their scale, bias and residual values loaded first, all in flight together (a run at a time,
+    // each load behind the branch of the one before, waits out a round trip to L2 a load), then epilogue and stores
 #pragma unroll 1
-    for (int u = 0; u < RUNS; u++) {
-        int r, c;
-        run(u, r, c);
-        const int row = m0 + r, col = n0 + c;
-        if (row >= M || col >= N) continue;
-        float v[4];
-        UNROLL for (int e = 0; e < 4; e++) v[e] = col + e < N ? epilogue(tile[r * TLD + c + e], scale, bias, residual, gelu, row, col + e, N) : 0.f;
-        if (!y_f32 && N % 4 == 0) {  // 4 halves, one 8-byte store
-            half2 h[2] = {__floats2half2_rn(v[0], v[1]), __floats2half2_rn(v[2], v[3])};
-            *reinterpret_cast<uint2*>(reinterpret_cast<half*>(y) + (long)row * N + col) = *reinterpret_cast<uint2*>(h);
-        } else {
-            for (int e = 0; e < 4 && col + e < N; e++) store_y(y, (long)row * N + col + e, v[e], y_f32);
+    for (int u0 = 0; u0 < RUNS; u0 += 4) {
+        float sc[4][4], bi[4][4], re[4][4];
+        UNROLL for (int u = 0; u < 4; u++) {
+            int r, c;
+            run(u0 + u, r, c);
+            UNROLL for (int e = 0; e < 4; e++) {
+                const int row = min(m0 + r, M - 1), col = min(n0 + c + e, N - 1);  // past the edge: read, not used
+                sc[u][e] = scale ? scale[col] : 1.f;
+                bi[u][e] = bias ? to_float(bias[col]) : 0.f;
+                re[u][e] = residual ? to_float(residual[(long)row * N + col]) : 0.f;
+            }
+        }
+        UNROLL for (int u = 0; u < 4; u++) {
+            int r, c;
+            run(u0 + u, r, c);
+            const int row = m0 + r, col = n0 + c;
+            if (row >= M || col >= N) continue;
+            float v[4];
+            UNROLL for (int e = 0; e < 4; e++) {  // epilogue()'s steps, on the values loaded above
+                v[e] = tile[r * TLD + c + e] * sc[u][e] + bi[u][e];
+                if (gelu) v[e] = gelu_tanh(v[e]);
+                v[e] += re[u][e];
+            }
+            if (!y_f32 && N % 4 == 0) {  // 4 halves, one 8-byte store
+                half2 h[2] = {__floats2half2_rn(v[0], v[1]), __floats2half2_rn(v[2], v[3])};
+                *reinterpret_cast<uint2*>(reinterpret_cast<half*>(y) + (long)row * N + col) = *reinterpret_cast<uint2*>(h);
+            } else {
+                for (int e = 0; e < 4 && col + e < N; e++) store_y(y, (long)row * N + col + e, v[e], y_f32);
+            }
         }
     }
 }
