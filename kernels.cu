@@ -564,7 +564,7 @@ __global__ void __launch_bounds__(128) matmul_skinny(
 }
 
 // Hopper's warpgroup tensor-core instruction (wgmma, sm_90a): a warpgroup's 128 threads multiply a 64 x 16 tile of A by
-// a 16 x N tile of B (N = 32 or 128 here), both in shared memory, into 64 x N fp32 accumulators, N / 2 per thread;
+// a 16 x N tile of B (N = 32, 64 or 128 here), both in shared memory, into 64 x N fp32 accumulators, N / 2 per thread;
 // asynchronous: issue, commit, wait. Shared memory is given by 64-bit descriptors. Our tiles are "K-major, 128-byte
 // swizzle": a row holds 64 halves of K, rows come in groups of 8 (1024 bytes apart), and 16-byte chunk c of row r sits
 // at chunk c ^ (r % 8), so a group's rows spread over all banks. The hardware XORs the address bits alike: tiles start
@@ -582,6 +582,10 @@ template <int N> __device__ __forceinline__ void wgmma(float (&d)[N / 2], unsign
     if constexpr (N == 32)
         asm volatile(WGMMA_ASM(32, "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15", "%16", "%17")
                      : ACC8(0), ACC8(8) : "l"(a), "l"(b));
+    else if constexpr (N == 64)
+        asm volatile(WGMMA_ASM(64, "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "
+                     "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31", "%32", "%33")
+                     : ACC8(0), ACC8(8), ACC8(16), ACC8(24) : "l"(a), "l"(b));
     else if constexpr (N == 128)
         asm volatile(WGMMA_ASM(128,
                      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, "
@@ -1307,7 +1311,7 @@ extern "C" __global__ void spec_accept(const int* tokens, const int* input_ids, 
 #define INSTANTIATE(...)
 #endif
 INSTANTIATE(matmul_tc<128,128,3>) INSTANTIATE(matmul_tc<128,128,4>) INSTANTIATE(matmul_tc<64,128,3>)
-INSTANTIATE(matmul_tc<64,128,8>) INSTANTIATE(matmul_tc<64,32,8>)
+INSTANTIATE(matmul_tc<64,128,8>) INSTANTIATE(matmul_tc<64,64,6>) INSTANTIATE(matmul_tc<64,32,8>)
 INSTANTIATE(matmul_gemv<half,4>) INSTANTIATE(matmul_gemv<half,8>) INSTANTIATE(matmul_gemv<i8,4>)
 INSTANTIATE(matmul_skinny<half>) INSTANTIATE(matmul_skinny<i8>) INSTANTIATE(dequantize<half>) INSTANTIATE(dequantize<float>)
 INSTANTIATE(embed<float>) INSTANTIATE(cache_write<float>) INSTANTIATE(layernorm<float>) INSTANTIATE(attention_decode<float>)
