@@ -90,15 +90,19 @@ __device__ __forceinline__ float gelu_tanh(float x) {
 }
 
 // the fused matmul epilogue, in fp32 before the single rounding to the output type; scale: int8 weights' (W8A16), the
-// output channel's, applied once to its dot product
+// output channel's, applied once to its dot product. epilogue_of takes the operands loaded (1, 0 and 0 where absent:
+// exact), so that a kernel may load many outputs' at once (matmul_tc); scale and bias are two roundings, as in numpy,
+// never one FMA. epilogue loads them for output (m, n).
+__device__ __forceinline__ float epilogue_of(float acc, float scale, float bias, float residual, int gelu) {
+    acc = __fadd_rn(__fmul_rn(acc, scale), bias);
+    if (gelu) acc = gelu_tanh(acc);
+    return acc + residual;
+}
 template <typename T>
 __device__ __forceinline__ float epilogue(float acc, const float* scale, const T* bias, const T* residual, int gelu,
                                           int m, int n, int N) {
-    if (scale) acc *= scale[n];
-    if (bias) acc += to_float(bias[n]);
-    if (gelu) acc = gelu_tanh(acc);
-    if (residual) acc += to_float(residual[(long)m * N + n]);
-    return acc;
+    return epilogue_of(acc, scale ? scale[n] : 1.f, bias ? to_float(bias[n]) : 0.f,
+                       residual ? to_float(residual[(long)m * N + n]) : 0.f, gelu);
 }
 
 // matmul outputs are fp16, or fp32 for the logits (the lm_head's accumulator, never rounded to fp16)
@@ -743,11 +747,7 @@ __global__ void __launch_bounds__(BM * 2, 256 / BM) matmul_tc(
             const int row = m0 + r, col = n0 + c;
             if (row >= M || col >= N) continue;
             float v[4];
-            UNROLL for (int e = 0; e < 4; e++) {  // epilogue()'s steps, on the values loaded above
-                v[e] = tile[r * TLD + c + e] * sc[u][e] + bi[u][e];
-                if (gelu) v[e] = gelu_tanh(v[e]);
-                v[e] += re[u][e];
-            }
+            UNROLL for (int e = 0; e < 4; e++) v[e] = epilogue_of(tile[r * TLD + c + e], sc[u][e], bi[u][e], re[u][e], gelu);
             if (!y_f32 && N % 4 == 0) {  // 4 halves, one 8-byte store
                 half2 h[2] = {__floats2half2_rn(v[0], v[1]), __floats2half2_rn(v[2], v[3])};
                 *reinterpret_cast<uint2*>(reinterpret_cast<half*>(y) + (long)row * N + col) = *reinterpret_cast<uint2*>(h);
