@@ -91,8 +91,8 @@ __device__ __forceinline__ float gelu_tanh(float x) {
 
 // the fused matmul epilogue, in fp32 before the single rounding to the output type; scale: int8 weights' (W8A16), the
 // output channel's, applied once to its dot product. epilogue_of takes the operands loaded (1, 0 and 0 where absent:
-// exact), so that a kernel may load many outputs' at once (matmul_tc); scale and bias are two roundings, as in numpy,
-// never one FMA. epilogue loads them for output (m, n).
+// exact, zeros' signs aside), so that a kernel may load many outputs' at once (matmul_tc); scale and bias are two
+// roundings, as in numpy, never one FMA. epilogue loads them for output (m, n).
 __device__ __forceinline__ float epilogue_of(float acc, float scale, float bias, float residual, int gelu) {
     acc = __fadd_rn(__fmul_rn(acc, scale), bias);
     if (gelu) acc = gelu_tanh(acc);
@@ -622,7 +622,7 @@ template <int N> __device__ __forceinline__ void wgmma_commit_and_wait() {  // a
 // cores chew on one. Tiles filling the SMs (prefill): 3 stages let two blocks share an SM, one computing while the other
 // waits. Fewer tiles than SMs: 4 or 8 stages, one wgmma group left running across the barrier. Decode batches of 9-512
 // rows: 64-row tiles, 8 stages, 32 wide while those fill at most two blocks per SM (more tiles of fewer k-steps finish
-// sooner, as in cuBLAS); K split over blockIdx.z as in matmul_skinny. Each thread copies one 16-byte chunk of every
+// sooner, as in cuBLAS), then 64 wide in 6 stages; K split over blockIdx.z as in matmul_skinny. Each thread copies one 16-byte chunk of every
 // (threads/8)-th row, which the swizzle lands at the same column of each: a constant stride apart. Rows past M, N and
 // chunks past K are zero-filled (K % 8 == 0 suffices). int8 weights come dequantized (unscaled), the scale in the epilogue.
 template <int BM, int BN, int STAGES>
