@@ -179,19 +179,16 @@ def plan_matmul(M, N, K, ln, dtype, num_sms, invariant=False, int8=False):
         return MatmulPlan(f"matmul_skinny<{weight}>", (cdiv(N, 16), splits, 1), 128, 0, splits, k_per_split)
     # matmul_tc (wgmma). Prefill whose 128 x 128 tiles fill the SMs: 3 stages, two blocks per SM. Fewer tiles than SMs:
     # a block has its SM alone, so more stages; 128-row tiles while 64-row ones would fill the SMs. Decode batches of
-    # 9-512 rows: 64 x 32 tiles while <= 2 blocks per SM (more blocks, fewer k-steps each), then 64 x 64 (6 stages,
-    # still 2 an SM), else 64 x 128, 8 stages, K split >= 12 ways.
+    # 9-512 rows, whose 64 x 128 tiles would leave SMs idle: two blocks an SM, 64 x 32 tiles (8 stages) while they fit
+    # (more blocks, fewer k-steps each), else 64 x 64 (6 stages, which always fit); K split >= 12 ways.
     gn, bn, per_sm = cdiv(N, 128), 128, 1
     if M > 64 and cdiv(M, 128) * gn >= num_sms:
         bm, stages = 128, 3
     elif cdiv(M, 64) * gn >= num_sms:
         bm, stages = (64, 3) if M <= 64 else (128, 4)
     else:
-        bm, stages = 64, 8
-        if cdiv(M, 64) * cdiv(N, 32) <= 2 * num_sms:
-            bn, per_sm = 32, 2
-        elif cdiv(M, 64) * cdiv(N, 64) <= 2 * num_sms:
-            bn, stages, per_sm = 64, 6, 2
+        bm, per_sm = 64, 2
+        bn, stages = (32, 8) if cdiv(M, 64) * cdiv(N, 32) <= 2 * num_sms else (64, 6)
     most = cdiv(K, 64) // 12 if N % 4 == 0 else 1
     splits, k_per_split = split_k(cdiv(M, bm) * cdiv(N, bn), per_sm, K, most, M * N, num_sms)
     return MatmulPlan(f"matmul_tc<{bm},{bn},{stages}>", (cdiv(N, bn), cdiv(M, bm), splits), 2 * bm,

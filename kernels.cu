@@ -619,12 +619,13 @@ template <int N> __device__ __forceinline__ void wgmma_commit_and_wait() {  // a
 // 8. matmul_tc: y (M,N) = epilogue(x (M,K) @ w (N,K)^T), fp16 in and out, on wgmma. Compute-bound at prefill sizes:
 // 2*M*N*K FLOPs over (M*K + N*K + M*N) * 2 bytes. A block of BM/64 warpgroups owns a BM x BN tile of y (64 x BN each);
 // K goes by 64 through a STAGES-deep cp.async pipeline (swizzled as above), STAGES - 1 tiles in flight while the tensor
-// cores chew on one. Tiles filling the SMs (prefill): 3 stages let two blocks share an SM, one computing while the other
-// waits. Fewer tiles than SMs: 4 or 8 stages, one wgmma group left running across the barrier. Decode batches of 9-512
-// rows: 64-row tiles, 8 stages, 32 wide while those fill at most two blocks per SM (more tiles of fewer k-steps finish
-// sooner, as in cuBLAS), then 64 wide in 6 stages; K split over blockIdx.z as in matmul_skinny. Each thread copies one 16-byte chunk of every
-// (threads/8)-th row, which the swizzle lands at the same column of each: a constant stride apart. Rows past M, N and
-// chunks past K are zero-filled (K % 8 == 0 suffices). int8 weights come dequantized (unscaled), the scale in the epilogue.
+// cores chew on one. Tiles filling the SMs (prefill): 3 stages let two blocks share an SM, one computing while the
+// other waits. Fewer tiles than SMs: 4 stages or more, one wgmma group left running across the barrier. Decode batches
+// of 9-512 rows: 64-row tiles, 8 stages, 32 wide while those fill at most two blocks per SM (more tiles of fewer
+// k-steps finish sooner, as in cuBLAS), then 64 wide in 6 stages; K split over blockIdx.z as in matmul_skinny. Each
+// thread copies one 16-byte chunk of every (threads/8)-th row, which the swizzle lands at the same column of each: a
+// constant stride apart. Rows past M, N and chunks past K are zero-filled (K % 8 == 0 suffices). int8 weights come
+// dequantized (unscaled), the scale in the epilogue.
 template <int BM, int BN, int STAGES>
 __global__ void __launch_bounds__(BM * 2, 256 / BM) matmul_tc(
     const half* x, const half* __restrict__ w, const float* __restrict__ scale, const half* __restrict__ bias,
@@ -1311,7 +1312,7 @@ extern "C" __global__ void spec_accept(const int* tokens, const int* input_ids, 
 #define INSTANTIATE(...)
 #endif
 INSTANTIATE(matmul_tc<128,128,3>) INSTANTIATE(matmul_tc<128,128,4>) INSTANTIATE(matmul_tc<64,128,3>)
-INSTANTIATE(matmul_tc<64,128,8>) INSTANTIATE(matmul_tc<64,64,6>) INSTANTIATE(matmul_tc<64,32,8>)
+INSTANTIATE(matmul_tc<64,64,6>) INSTANTIATE(matmul_tc<64,32,8>)
 INSTANTIATE(matmul_gemv<half,4>) INSTANTIATE(matmul_gemv<half,8>) INSTANTIATE(matmul_gemv<i8,4>)
 INSTANTIATE(matmul_skinny<half>) INSTANTIATE(matmul_skinny<i8>) INSTANTIATE(dequantize<half>) INSTANTIATE(dequantize<float>)
 INSTANTIATE(embed<float>) INSTANTIATE(cache_write<float>) INSTANTIATE(layernorm<float>) INSTANTIATE(attention_decode<float>)

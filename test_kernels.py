@@ -106,6 +106,18 @@ def test_batch_invariant_matmul_plan_ignores_M(C):
             assert (p.splits - 1) * p.k_per_split < K <= p.splits * p.k_per_split
 
 
+def test_every_matmul_kernel_is_planned():
+    """No dead kernel: each matmul template that kernels.cu instantiates is plan_matmul's pick for some GPT-2 shape
+    (one H200's 132 SMs; fp16 and int8, batch-invariant or not), and it picks nothing kernels.cu does not build."""
+    planned = {cuda_backend.plan_matmul(M, N, K, ln, np.float16, 132, invariant=inv, int8=int8).kernel
+               for C in (768, 1600) for M in (*range(1, 520), 2048, 8192)
+               for N, K, ln in ((3 * C, C, True), (C, C, False), (4 * C, C, True), (C, 4 * C, False), (50257, C, True))
+               for int8, inv in itertools.product((False, True), repeat=2)}
+    built = {t for t in cuda_backend.templates(cuda_backend.KERNELS_CU.read_text()) if t.startswith("matmul")}
+    assert built == planned, f"built, never planned: {sorted(built - planned)}; planned, not built: " \
+                             f"{sorted(planned - built)}"
+
+
 # ---- matmul ---------------------------------------------------------------------------------------
 def matmul_inputs(M, N, K, epi, dt):
     """x (M, K) and what epilogue `epi` names ("none", "bias_gelu", "bias_residual", "all", "ln", "ln_all"): bias,
