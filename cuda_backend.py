@@ -180,7 +180,7 @@ def plan_matmul(M, N, K, ln, dtype, num_sms, invariant=False, int8=False):
     # matmul_tc (wgmma). Prefill whose 128 x 128 tiles fill the SMs: 3 stages, two blocks per SM. Fewer tiles than SMs:
     # a block has its SM alone, so more stages; 128-row tiles while 64-row ones would fill the SMs. Decode batches of
     # 9-512 rows, whose 64 x 128 tiles would leave SMs idle: two blocks an SM, 64 x 32 tiles (8 stages) while they fit
-    # (more blocks, fewer k-steps each), else 64 x 64 (6 stages, which always fit); K split >= 12 ways.
+    # (more blocks, fewer k-steps each), else 64 x 64 (6 stages, which always fit); K split, 12+ k-steps a part.
     gn, bn, per_sm = cdiv(N, 128), 128, 1
     if M > 64 and cdiv(M, 128) * gn >= num_sms:
         bm, stages = 128, 3
