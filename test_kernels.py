@@ -63,6 +63,12 @@ def to_gpu(a, dtype):
 
 
 # ---- the launch plans: plain Python, no GPU -------------------------------------------------------
+def gpt2_matmuls(C):
+    """(N, K, layernorm in front) of GPT-2's five matmuls at width C: QKV, attention projection, MLP up and down,
+    lm_head."""
+    return (3 * C, C, True), (C, C, False), (4 * C, C, True), (C, 4 * C, False), (50257, C, True)
+
+
 @pytest.mark.parametrize("C", [768, 1024, 1280, 1600])
 def test_matmul_plan_for_every_gpt2_shape(C):
     """cuda_backend.plan_matmul (plain Python, no GPU), for the five matmuls of GPT-2 at this width and batches from
@@ -71,7 +77,7 @@ def test_matmul_plan_for_every_gpt2_shape(C):
     y, the split covers K in whole 64-wide chunks, and the split-K scratch and shared memory suffice."""
     sms = 132
     for M, int8 in itertools.product((1, 2, 8, 9, 64, 256, 2048, 8192), (False, True)):
-        for N, K, ln in ((3 * C, C, True), (C, C, False), (4 * C, C, True), (C, 4 * C, False), (50257, C, True)):
+        for N, K, ln in gpt2_matmuls(C):
             p = cuda_backend.plan_matmul(M, N, K, ln, np.float16, sms, int8=int8)
             kind = p.kernel.split("<")[0]
             assert kind == ("matmul_gemv" if M == 1 and N <= 16384 else "matmul_skinny" if M <= 8 else "matmul_tc"), \
@@ -96,7 +102,7 @@ def test_matmul_plan_for_every_gpt2_shape(C):
 def test_batch_invariant_matmul_plan_ignores_M(C):
     """plan_matmul(invariant=True): for every M one tile and one K split (a row's sums then run in one order in any
     batch); M is cut into launches whose split-K partial sums fit the scratch, and the grid covers y and K."""
-    for N, K in ((3 * C, C), (C, C), (4 * C, C), (C, 4 * C), (50257, C)):
+    for N, K, _ in gpt2_matmuls(C):
         plans = [cuda_backend.plan_matmul(M, N, K, True, np.float16, 132, invariant=True)
                  for M in (1, 2, 8, 9, 64, 256, 2048, 16384)]
         assert len({(p.kernel, p.grid[0], p.grid[2], p.splits, p.k_per_split, p.block) for p in plans}) == 1
@@ -111,7 +117,7 @@ def test_every_matmul_kernel_is_planned():
     (one H200's 132 SMs; fp16 and int8, batch-invariant or not), and it picks nothing kernels.cu does not build."""
     planned = {cuda_backend.plan_matmul(M, N, K, ln, np.float16, 132, invariant=inv, int8=int8).kernel
                for C in (768, 1600) for M in (*range(1, 520), 2048, 8192)
-               for N, K, ln in ((3 * C, C, True), (C, C, False), (4 * C, C, True), (C, 4 * C, False), (50257, C, True))
+               for N, K, ln in gpt2_matmuls(C)
                for int8, inv in itertools.product((False, True), repeat=2)}
     built = {t for t in cuda_backend.templates(cuda_backend.KERNELS_CU.read_text()) if t.startswith("matmul")}
     assert built == planned, f"built, never planned: {sorted(built - planned)}; planned, not built: " \
