@@ -90,19 +90,24 @@ __device__ __forceinline__ float gelu_tanh(float x) {
 }
 
 // the fused matmul epilogue, in fp32 before the single rounding to the output type; scale: int8 weights' (W8A16), the
-// output channel's, applied once to its dot product. epilogue_of takes the operands loaded (1, 0 and 0 where absent:
-// exact, zeros' signs aside), so that a kernel may load many outputs' at once (matmul_tc); scale and bias are two
-// roundings, as in numpy, never one FMA. epilogue loads them for output (m, n).
-__device__ __forceinline__ float epilogue_of(float acc, float scale, float bias, float residual, int gelu) {
-    acc = __fadd_rn(__fmul_rn(acc, scale), bias);
+// output channel's, applied once to its dot product. Its operands of output (m, n) are loaded first (1, 0 and 0 where
+// absent: exact, zeros' signs aside), so that a kernel may load many outputs' at once (matmul_tc); scale and bias are
+// two roundings, as in numpy, never one FMA.
+struct EpilogueOperands { float scale, bias, residual; };
+template <typename T>
+__device__ __forceinline__ EpilogueOperands epilogue_operands(const float* scale, const T* bias, const T* residual,
+                                                              int m, int n, int N) {
+    return {scale ? scale[n] : 1.f, bias ? to_float(bias[n]) : 0.f, residual ? to_float(residual[(long)m * N + n]) : 0.f};
+}
+__device__ __forceinline__ float epilogue_of(float acc, EpilogueOperands o, int gelu) {
+    acc = __fadd_rn(__fmul_rn(acc, o.scale), o.bias);
     if (gelu) acc = gelu_tanh(acc);
-    return acc + residual;
+    return acc + o.residual;
 }
 template <typename T>
 __device__ __forceinline__ float epilogue(float acc, const float* scale, const T* bias, const T* residual, int gelu,
                                           int m, int n, int N) {
-    return epilogue_of(acc, scale ? scale[n] : 1.f, bias ? to_float(bias[n]) : 0.f,
-                       residual ? to_float(residual[(long)m * N + n]) : 0.f, gelu);
+    return epilogue_of(acc, epilogue_operands(scale, bias, residual, m, n, N), gelu);
 }
 
 // matmul outputs are fp16, or fp32 for the logits (the lm_head's accumulator, never rounded to fp16)
@@ -731,16 +736,12 @@ __global__ void __launch_bounds__(BM * 2, 256 / BM) matmul_tc(
     // each load behind the branch of the one before, waits out a round trip to L2 a load), then epilogue and stores
 #pragma unroll 1
     for (int u0 = 0; u0 < RUNS; u0 += 4) {
-        float sc[4][4], bi[4][4], re[4][4];
+        EpilogueOperands ops[4][4];
         UNROLL for (int u = 0; u < 4; u++) {
             int r, c;
             run(u0 + u, r, c);
-            UNROLL for (int e = 0; e < 4; e++) {
-                const int row = min(m0 + r, M - 1), col = min(n0 + c + e, N - 1);  // past the edge: read, not used
-                sc[u][e] = scale ? scale[col] : 1.f;
-                bi[u][e] = bias ? to_float(bias[col]) : 0.f;
-                re[u][e] = residual ? to_float(residual[(long)row * N + col]) : 0.f;
-            }
+            UNROLL for (int e = 0; e < 4; e++)  // past the edge: read (inside the matrices), not used
+                ops[u][e] = epilogue_operands(scale, bias, residual, min(m0 + r, M - 1), min(n0 + c + e, N - 1), N);
         }
         UNROLL for (int u = 0; u < 4; u++) {
             int r, c;
@@ -748,7 +749,7 @@ __global__ void __launch_bounds__(BM * 2, 256 / BM) matmul_tc(
             const int row = m0 + r, col = n0 + c;
             if (row >= M || col >= N) continue;
             float v[4];
-            UNROLL for (int e = 0; e < 4; e++) v[e] = epilogue_of(tile[r * TLD + c + e], sc[u][e], bi[u][e], re[u][e], gelu);
+            UNROLL for (int e = 0; e < 4; e++) v[e] = epilogue_of(tile[r * TLD + c + e], ops[u][e], gelu);
             if (!y_f32 && N % 4 == 0) {  // 4 halves, one 8-byte store
                 half2 h[2] = {__floats2half2_rn(v[0], v[1]), __floats2half2_rn(v[2], v[3])};
                 *reinterpret_cast<uint2*>(reinterpret_cast<half*>(y) + (long)row * N + col) = *reinterpret_cast<uint2*>(h);
