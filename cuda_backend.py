@@ -466,7 +466,7 @@ class CudaBackend:
             nsplit = prefill_splits(batch.n_tiles * H, self.num_sms) if not self.batch_invariant else 1
             part_o = cp.empty(batch.n_tiles * 64 * H * nsplit * 64 if nsplit > 1 else 0, np.float32)
             part_lse = cp.empty(batch.n_tiles * 64 * H * nsplit if nsplit > 1 else 0, np.float32)
-            self.launch("attention_prefill", (batch.n_tiles, H, nsplit), (128,),
+            self.launch("attention_prefill", (batch.n_tiles, H, nsplit), (256,),
                         (q, np.int32(qs), k_cache, v_cache) + common + (batch.cu_seqlens_q, batch.context_lens,
                                                                         batch.tile_seq, batch.tile_q0, np.int32(H),
                                                                         scale_log2, out, part_o, part_lse,

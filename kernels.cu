@@ -776,14 +776,17 @@ __device__ __forceinline__ unsigned pack_half2(float lo, float hi) {
 }
 
 // 9. attention_prefill: causal FlashAttention-2 (fp16, head_dim 64) for (chunked) prefill query tiles over the paged KV
-// cache. A block: 64 queries of one (sequence, head), 4 warps x 16; K, V stream by 64 rows via shared memory (cp.async,
-// 2 buffers, by block table). S = QK^T, O += PV on tensor cores; online softmax keeps S in registers. Compute-bound
+// cache. A block: 64 queries of one (sequence, head), 8 warps: warps w and w + 4 take queries 16w..16w+15, the first
+// each key tile's keys 0-31, the second keys 32-63, each with its own running max, sum and output, merged once at the
+// end (through shared memory): half the serial work a tile, twice the warps to hide latency where few blocks run (a
+// prompt's last chunk after a cached prefix). K, V stream by 64 rows via shared memory (cp.async, 2 buffers, by
+// block table). S = QK^T, O += PV on tensor cores; online softmax keeps S in registers. Compute-bound
 // (long prompts): 4*64 FLOPs per (query, visible key, head); Q, O once, K, V once per query tile (mostly L2). Few tiles
 // over a long context (a prompt's last chunk after a cached prefix: 2 tiles x 25 heads for 1,000 keys) would leave
 // most SMs idle while each block walks every key tile: then the key tiles are split between gridDim.z blocks, merged
 // as attention_decode merges its splits (normalised outputs and log-sum-exps, the last block to arrive combining):
 // 2*4*64*nsplit bytes more a (query, head): each split's fp32 output written, then read back from L2.
-extern "C" __global__ void __launch_bounds__(128) attention_prefill(
+extern "C" __global__ void __launch_bounds__(256) attention_prefill(
     const half* __restrict__ q, int q_stride, const half* __restrict__ k_cache, const half* __restrict__ v_cache,
     const int* block_tables, int max_blocks, int block_size, const int* cu_seqlens_q, const int* context_lens,
     const int* tile_seq, const int* tile_q0, int H, float scale_log2, half* out, float* part_o, float* part_lse,
@@ -793,7 +796,8 @@ extern "C" __global__ void __launch_bounds__(128) attention_prefill(
     __shared__ __align__(16) half Qs[BQ * LD];
     __shared__ __align__(16) half Ks[2][BKV * LD];
     __shared__ __align__(16) half Vs[2][BKV * LD];
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+    const int tid = threadIdx.x, lane = tid & 31, warp = (tid >> 5) & 3, g = lane >> 2, t = lane & 3;
+    const int kh = tid >> 7;  // the half of each key tile this warp takes: keys 32 * kh .. 32 * kh + 31
     const int s = tile_seq[blockIdx.x], h = blockIdx.y, q0 = tile_q0[blockIdx.x];
     const int q_begin = cu_seqlens_q[s], n_q = cu_seqlens_q[s + 1] - q_begin, ctx = context_lens[s];
     const int pos0 = ctx - n_q + q0;                          // position of the tile's first query
@@ -804,13 +808,13 @@ extern "C" __global__ void __launch_bounds__(128) attention_prefill(
     const int kt_begin = split * chunk, kt_end = min(n_tiles, kt_begin + chunk);  // this block's key tiles
     const int* table = block_tables + (long)s * max_blocks;
 
-    for (int c = tid; c < BQ * 8; c += 128) {
+    for (int c = tid; c < BQ * 8; c += 256) {
         int r = c >> 3, col = (c & 7) * 8;
         bool ok = q0 + r < n_q;
         cp_async16(smem_addr(&Qs[r * LD + col]), q + (long)(q_begin + q0 + (ok ? r : 0)) * q_stride + h * D + col, ok);
     }
     auto load_kv = [&](int buf, int kt) {
-        for (int c = tid; c < BKV * 8; c += 128) {
+        for (int c = tid; c < BKV * 8; c += 256) {
             int r = c >> 3, col = (c & 7) * 8, j = kt * BKV + r;
             bool ok = j < ctx;  // never read past the context: those slots hold anything, NaN included
             long slot = ok ? (long)table[j / block_size] * block_size + j % block_size : 0;
@@ -834,11 +838,11 @@ extern "C" __global__ void __launch_bounds__(128) attention_prefill(
                 ldmatrix_x4(qf[d], smem_addr(&Qs[(warp * 16 + (lane & 15)) * LD + d * 16 + (lane >> 4) * 8]));
         const half *ks = Ks[kt & 1], *vs = Vs[kt & 1];
 
-        float sc[8][4] = {};  // S for this warp's 16 queries x 64 keys
+        float sc[4][4] = {};  // S for this warp's 16 queries x its 32 keys
         UNROLL for (int d = 0; d < 4; d++)
-            UNROLL for (int np = 0; np < 4; np++) {
+            UNROLL for (int np = 0; np < 2; np++) {
                 unsigned r[4];
-                ldmatrix_x4(r, smem_addr(&ks[(np * 16 + (lane & 7) + ((lane >> 4) << 3)) * LD + d * 16 + ((lane >> 3) & 1) * 8]));
+                ldmatrix_x4(r, smem_addr(&ks[(kh * 32 + np * 16 + (lane & 7) + ((lane >> 4) << 3)) * LD + d * 16 + ((lane >> 3) & 1) * 8]));
                 unsigned b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
                 mma16816(sc[2 * np], qf[d], b0);
                 mma16816(sc[2 * np + 1], qf[d], b1);
@@ -847,9 +851,9 @@ extern "C" __global__ void __launch_bounds__(128) attention_prefill(
         UNROLL for (int hf = 0; hf < 2; hf++) {
             const int pos = pos0 + warp * 16 + g + hf * 8;
             float mx = m[hf];
-            UNROLL for (int nt = 0; nt < 8; nt++)
+            UNROLL for (int nt = 0; nt < 4; nt++)
                 UNROLL for (int e = 0; e < 2; e++) {
-                    int j = kt * BKV + nt * 8 + 2 * t + e;
+                    int j = kt * BKV + kh * 32 + nt * 8 + 2 * t + e;
                     float v = j > pos ? NEG_INF : sc[nt][2 * hf + e] * scale_log2;
                     sc[nt][2 * hf + e] = v;
                     mx = fmaxf(mx, v);
@@ -861,7 +865,7 @@ extern "C" __global__ void __launch_bounds__(128) attention_prefill(
             m[hf] = mx;
             l[hf] *= corr;
             UNROLL for (int dt = 0; dt < 8; dt++) { o[dt][2 * hf] *= corr; o[dt][2 * hf + 1] *= corr; }
-            UNROLL for (int nt = 0; nt < 8; nt++)
+            UNROLL for (int nt = 0; nt < 4; nt++)
                 UNROLL for (int e = 0; e < 2; e++) {
                     float p = exp2f(sc[nt][2 * hf + e] - ms);
                     sc[nt][2 * hf + e] = p;
@@ -869,12 +873,12 @@ extern "C" __global__ void __launch_bounds__(128) attention_prefill(
                 }
         }
         // O += P V: the S accumulators are already laid out as the A operand (keys = k)
-        UNROLL for (int kk = 0; kk < 4; kk++) {
+        UNROLL for (int kk = 0; kk < 2; kk++) {
             unsigned pa[4] = {pack_half2(sc[2 * kk][0], sc[2 * kk][1]), pack_half2(sc[2 * kk][2], sc[2 * kk][3]),
                               pack_half2(sc[2 * kk + 1][0], sc[2 * kk + 1][1]), pack_half2(sc[2 * kk + 1][2], sc[2 * kk + 1][3])};
             UNROLL for (int dp = 0; dp < 4; dp++) {
                 unsigned r[4];
-                ldmatrix_x4_trans(r, smem_addr(&vs[(kk * 16 + (lane & 15)) * LD + dp * 16 + (lane >> 4) * 8]));
+                ldmatrix_x4_trans(r, smem_addr(&vs[(kh * 32 + kk * 16 + (lane & 15)) * LD + dp * 16 + (lane >> 4) * 8]));
                 unsigned b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
                 mma16816(o[2 * dp], pa, b0);
                 mma16816(o[2 * dp + 1], pa, b1);
@@ -882,7 +886,26 @@ extern "C" __global__ void __launch_bounds__(128) attention_prefill(
         }
         __syncthreads();  // the next iteration refills the buffer just read
     }
-    UNROLL for (int hf = 0; hf < 2; hf++) {
+    {   // warps 4-7 hand their key half's state to warps 0-3 (same query rows), which merge it as splits merge; an
+        // empty half (max -inf) weighs 0. Through Ks, free after the loop's last barrier: 128 lanes x 36 floats fill it
+        float* xo = reinterpret_cast<float*>(&Ks[0][0]) + ((warp * 32 + lane) * 36);  // 32 of o, 2 of m, 2 of l
+        if (kh == 1) {
+            UNROLL for (int dt = 0; dt < 8; dt++) UNROLL for (int e = 0; e < 4; e++) xo[dt * 4 + e] = o[dt][e];
+            xo[32] = m[0]; xo[33] = m[1]; xo[34] = l[0]; xo[35] = l[1];
+        }
+        __syncthreads();
+        if (kh == 0) {
+            UNROLL for (int hf = 0; hf < 2; hf++) {
+                const float m1 = xo[32 + hf], mx = fmaxf(m[hf], m1), ms = mx == NEG_INF ? 0.f : mx;
+                const float c0 = exp2f(m[hf] - ms), c1 = exp2f(m1 - ms);
+                l[hf] = l[hf] * c0 + xo[34 + hf] * c1;
+                m[hf] = mx;
+                UNROLL for (int dt = 0; dt < 8; dt++)
+                    UNROLL for (int e = 0; e < 2; e++) o[dt][2 * hf + e] = o[dt][2 * hf + e] * c0 + xo[dt * 4 + 2 * hf + e] * c1;
+            }
+        }
+    }
+    if (kh == 0) UNROLL for (int hf = 0; hf < 2; hf++) {
         float sum = l[hf];
         sum += __shfl_xor_sync(FULL_MASK, sum, 1);
         sum += __shfl_xor_sync(FULL_MASK, sum, 2);
@@ -903,7 +926,7 @@ extern "C" __global__ void __launch_bounds__(128) attention_prefill(
     if (nsplit == 1 || !last_to_arrive(&counters[blockIdx.x * H + h], nsplit)) return;
     // the merge: a thread takes 8 outputs of a row at a time and loads every split's lse and values at once (one round
     // trip to L2, not one a split); an absent split weighs exp2(-inf) = 0
-    for (int c = tid; c < BQ * 8 && q0 + (c >> 3) < n_q; c += 128) {
+    for (int c = tid; c < BQ * 8 && q0 + (c >> 3) < n_q; c += 256) {
         const int r = c >> 3, d0 = (c & 7) * 8;
         const long base = (((long)blockIdx.x * BQ + r) * H + h) * gridDim.z;
         float lse[8], mx = NEG_INF, L = 0.f, acc[8] = {};  // nsplit <= 8: the host plans so (prefill_splits)
