@@ -888,6 +888,7 @@ extern "C" __global__ void __launch_bounds__(256) attention_prefill(
     }
     {   // warps 4-7 hand their key half's state to warps 0-3 (same query rows), which merge it as splits merge; an
         // empty half (max -inf) weighs 0. Through Ks, free after the loop's last barrier: 128 lanes x 36 floats fill it
+        static_assert(4 * 32 * 36 * sizeof(float) <= sizeof(Ks), "warps 4-7's states fit in Ks");
         float* xo = reinterpret_cast<float*>(&Ks[0][0]) + ((warp * 32 + lane) * 36);  // 32 of o, 2 of m, 2 of l
         if (kh == 1) {
             UNROLL for (int dt = 0; dt < 8; dt++) UNROLL for (int e = 0; e < 4; e++) xo[dt * 4 + e] = o[dt][e];
