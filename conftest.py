@@ -45,15 +45,16 @@ EOT = 50256
 N_NEW = 16  # new tokens in the greedy comparisons
 
 
-def _has_gpu():
+def _num_gpus():
     try:
         import cupy
-        return cupy.cuda.runtime.getDeviceCount() > 0
+        return cupy.cuda.runtime.getDeviceCount()
     except Exception:
-        return False
+        return 0
 
 
-NO_GPU = pytest.mark.skipif(not _has_gpu(), reason="CUDA backend: needs CuPy and an NVIDIA GPU")
+NO_GPU = pytest.mark.skipif(not _num_gpus(), reason="CUDA backend: needs CuPy and an NVIDIA GPU")
+TWO_GPUS = pytest.mark.skipif(_num_gpus() < 2, reason="tensor parallelism on GPUs: needs two NVIDIA GPUs")
 
 
 @dataclass(frozen=True)

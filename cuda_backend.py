@@ -329,6 +329,19 @@ class CudaBackend:
         free, total = cp.cuda.runtime.memGetInfo()
         return total * fraction - (total - free) - 2 ** 30
 
+    # ---- tensor parallelism: NCCL (parallel.py runs a process a GPU) ----------------------------
+    @property
+    def num_gpus(self):
+        return cp.cuda.runtime.getDeviceCount()
+
+    def new_comm_id(self):
+        """Rank 0's: the id every rank makes its communicator with."""
+        from cupy.cuda import nccl
+        return nccl.get_unique_id()
+
+    def communicator(self, comm_id, rank, size):
+        return NcclComm(comm_id, rank, size)
+
     def _contiguous(self, a, dtype=None):
         """a as a C-contiguous, 16-byte-aligned array of `dtype` (default: ours), untouched if it is one already."""
         dtype = self.dtype if dtype is None else dtype
@@ -530,3 +543,34 @@ class CudaBackend:
     def sample(self, logits, temperature, top_k, top_p, seed, token_index, min_p):
         return cp.asnumpy(self.sample_device(logits, temperature, top_k, top_p, seed, token_index,
                                              min_p)).astype(np.int64)
+
+
+class NcclComm:
+    """This GPU's rank among `size` (parallel.py): NCCL's collectives on the current stream, so that a CUDA graph
+    captures them between the kernels around them. An all-reduce moves 2 (size - 1) / size of the array's bytes in and
+    out of each GPU over NVLink (a ring); the decode step's (1, 1600) fp16 rows are latency, ~10 us each, not bytes."""
+    def __init__(self, comm_id, rank, size):
+        from cupy.cuda import nccl
+        self.nccl, self.rank, self.size = nccl, rank, size
+        self.comm = nccl.NcclCommunicator(size, comm_id, rank)  # waits for every rank to make its own
+        self.types = {np.dtype(np.float16): nccl.NCCL_FLOAT16, np.dtype(np.float32): nccl.NCCL_FLOAT32}
+
+    def all_reduce(self, x):
+        """x summed over the ranks, in place; every rank gets the same bits (each element is summed by one rank)."""
+        self.comm.allReduce(x.data.ptr, x.data.ptr, x.size, self.types[x.dtype], self.nccl.NCCL_SUM,
+                            cp.cuda.get_current_stream().ptr)
+        return x
+
+    def all_gather(self, x, n):
+        """Each rank's (R, part) side by side: (R, n). NCCL gathers equal parts, so the last (shorter) is padded."""
+        R, width = x.shape[0], -(-n // self.size)
+        part = cp.zeros((R, width), x.dtype)  # (R, width)
+        part[:, :x.shape[1]] = x
+        out = cp.empty((self.size, R, width), x.dtype)  # (size, R, width): rank r's part at out[r]
+        self.comm.allGather(part.data.ptr, out.data.ptr, part.size, self.types[x.dtype],
+                            cp.cuda.get_current_stream().ptr)
+        return cp.ascontiguousarray(out.transpose(1, 0, 2).reshape(R, self.size * width)[:, :n])
+
+    def abort(self):
+        """Ends the communicator: collectives waiting for a lost rank return (their results are not to be used)."""
+        self.comm.abort()

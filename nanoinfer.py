@@ -16,7 +16,7 @@ import threading
 import time
 import traceback
 from collections import deque, namedtuple
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -230,13 +230,13 @@ class GPT:
     """GPT-2's forward pass, written once against the backend's op set; comm: this rank's place among tensor-parallel
     ranks (parallel.py: its weights are its shard, and two all-reduces a layer join the ranks), Single() for none."""
     def __init__(self, config, weights, backend, n_vocab=None, comm=parallel.Single()):
-        self.config, self.backend, self.comm = config, backend, comm
+        self.config, self.backend, self.comm, self.n_vocab = config, backend, comm, n_vocab or config.vocab_size
         self.w = {name: Int8Weight(backend.asarray(a.q), backend.asarray(a.scale, np.float32))
                   if isinstance(a, Int8Weight) else backend.asarray(a) for name, a in weights.items()}
         # the lm_head is the embedding (tied) unless the checkpoint has its own (or int8 made one); an embedding
         # padded past the tokenizer's n_vocab tokens (nanoGPT's 50304) keeps its padding rows out of the logits
         head = self.w.get("lm_head.weight", self.w["wte.weight"])
-        self.lm_head = head if isinstance(head, Int8Weight) else head[:n_vocab or config.vocab_size]  # (V, C)
+        self.lm_head = head if isinstance(head, Int8Weight) else head[:self.n_vocab]  # (V, C), or a rank's part
 
     def forward(self, batch, kv):
         """Logits (R, V), float32, for the rows batch.logits_idx; writes every token's K/V into the cache."""
@@ -264,7 +264,7 @@ class GPT:
         # only the rows that sample need the last layernorm and the 50257-wide lm_head (gathered over the ranks)
         rows = h if d.logits_idx is None else h[d.logits_idx]  # (R, n_embd)
         ln_f = (w["ln_f.weight"], w["ln_f.bias"], c.eps)
-        return comm.all_gather(be.matmul(rows, self.lm_head, ln=ln_f, out_dtype=np.float32))  # (R, V)
+        return comm.all_gather(be.matmul(rows, self.lm_head, ln=ln_f, out_dtype=np.float32), self.n_vocab)  # (R, V)
 
 # -----------------------------------------------------------------------------
 # the engine: schedule -> batch -> run -> postprocess
@@ -414,14 +414,16 @@ class LLM:
                  cuda_graphs=True, fused=True, num_scheduler_steps=16, dependent_launches=True, batch_invariant=False,
                  enable_prefix_caching=True, quantization=None, speculative_config=None, tensor_parallel_size=1,
                  distributed_executor_backend="uni"):
-        check_engine_arguments(locals())
+        check_engine_arguments(args := {k: v for k, v in locals().items() if k != "self"})
         self.model_dir = path = resolve_model(model)
         self.config = c = load_config(path)
         self.tokenizer = Tokenizer(path, c.vocab_size)
         self.backend = make_backend(device, dtype)
         self.backend.check_model(c)
-        tp = tensor_parallel_size  # ranks, each with its share of the heads (and of every matmul): parallel.py
-        parallel.check(tp, c, self.backend, distributed_executor_backend)
+        tp, executor = tensor_parallel_size, distributed_executor_backend  # ranks, each with its share of the heads
+        parallel.check(tp, c, self.backend, executor)  # (and of every matmul): parallel.py
+        # this process's rank: "mp" runs this engine in a process a rank (rank 0 spawns them and relays its calls)
+        self.ranks = rank = parallel.start(type(self), dict(args, model=path), tp, executor, self.backend)
         # the lessons' switches: fusion, dependent launches; and outputs bitwise the same solo, batched, chunked or
         # preempted (every reduction row by row, in a fixed order)
         self.backend.fused, self.backend.dependent_launches, self.backend.batch_invariant = (
@@ -432,17 +434,19 @@ class LLM:
             f"{c.n_embd} wide) from {path} in {time.perf_counter() - t0:.1f} s")
         if quantization == "int8":  # weight-only int8 (W8A16), quantized here from the checkpoint's weights
             weights = quantize_weights(weights, self.tokenizer.n_vocab)
-        self.model = GPT(c, weights, self.backend, self.tokenizer.n_vocab) if tp == 1 else None
+        if rank.size > 1:
+            weights = parallel.shard(weights, c, self.tokenizer.n_vocab, rank.rank, rank.size)
+        self.model = GPT(c, weights, self.backend, self.tokenizer.n_vocab, rank.comm) if rank.size == tp else None
         spec = speculative_config
         draft = DraftModel(spec, self) if isinstance(spec, dict) and "model" in spec else None  # else "ngram"
-        blocks = PagedKVCache.pool_blocks(c, self.backend, num_kv_tokens, gpu_memory_utilization, max_num_seqs,
-                                          block_size, draft and draft.config)
+        blocks = rank.fewest(PagedKVCache.pool_blocks(c, self.backend, num_kv_tokens, gpu_memory_utilization,
+                                                      max_num_seqs, block_size, draft and draft.config), self.backend)
         self.kv = PagedKVCache(self.backend, c.n_layer, c.n_head // tp, c.head_dim, blocks, block_size,
                                enable_prefix_caching)  # rank 0's heads: the others' K/V in their tensors, same blocks
-        if tp > 1:  # a GPT a rank over its shard of the weights: threads of this process ("uni"), or processes
-            ranks = parallel.RankProcesses if distributed_executor_backend == "mp" else parallel.SimulatedRanks
-            self.model = ranks(functools.partial(GPT, c, backend=self.backend, n_vocab=self.tokenizer.n_vocab),
-                               weights, c, self.tokenizer.n_vocab, tp, self.kv)
+        if self.model is None:  # "uni": a GPT a rank over its shard of the weights, threads of this process
+            self.model = parallel.SimulatedRanks(functools.partial(GPT, c, backend=self.backend,
+                                                                   n_vocab=self.tokenizer.n_vocab),
+                                                 weights, c, self.tokenizer.n_vocab, tp, self.kv)
         log(f"KV cache: {blocks * block_size:,} tokens ({self.kv.nbytes / 2 ** 30:.2f} GiB), {blocks} blocks of "
             f"{block_size}; max_num_seqs={max_num_seqs} x n_ctx={c.n_ctx} is the most it can use")
         self.speculator = None if spec is None else NgramProposer(spec, c.n_ctx) if not draft else \
@@ -480,6 +484,7 @@ class LLM:
             self._next_id += params.n
             self._requests[rid] = Request(rid, prompt if isinstance(prompt, str) else None, seqs, outbox)
             self.scheduler.add(seqs[0])
+            self.ranks.relay("add_request", ids, replace(params, seed=seed))
         return rid
 
     def abort_request(self, request_id):
@@ -493,11 +498,13 @@ class LLM:
             for req in [self._requests[rid] for rid in ids if rid in self._requests]:
                 req.finish("abort", None, self.scheduler)
                 self._deliver(self._events(req.seqs))
+            self.ranks.relay("abort_request", ids)
 
     def reset_prefix_cache(self):
         """Forget the KV the prefix cache holds (vLLM's method): requests compute their prompts afresh."""
         with self._exclusive():
             self.kv.reset_prefix_cache()
+            self.ranks.relay("reset_prefix_cache")
         return True
 
     def has_unfinished(self):
@@ -522,6 +529,7 @@ class LLM:
             # no request comes in while the GPU runs decode steps launched ahead: it would end them unread
             scheduled = self.scheduler.schedule(admit=not self.runner.running_ahead())
             saved.update((seq, seq.checkpoint()) for seq, _ in scheduled)
+            self.ranks.relay("step")  # after the schedule, so that a lost rank ends the requests it would have run
             events = []
             if self.speculator:  # the drafts of the decodes given room for one (speculation.py)
                 self.speculator.fill([seq for seq, _ in scheduled])
@@ -533,6 +541,7 @@ class LLM:
                 drafts_next = bool(self.speculator) and self.speculator.active(len(self.scheduler.running))
                 tokens, logits, drafts = self.runner.run(batch, seqs, not (self.scheduler.wants_admission() or
                                                                            drafts_next), drafts_next)
+                self.ranks.check()
                 for seq, n in scheduled:
                     seq.num_computed += n  # their K/V are in the cache now
                 add_prompt_logprobs(prompt_rows, logits, len(seqs), self.tokenizer)
@@ -540,6 +549,7 @@ class LLM:
                 for seq, _ in scheduled:  # their full blocks, findable now (those that finished: when freed)
                     self.kv.name_computed(seq.seq_id, seq.token_ids, seq.num_computed)
         except BaseException as e:
+            self.ranks.fail(e)  # the other ranks ran on, or wait for this one: the engine ends
             self._undo(saved)
             if not isinstance(e, Exception) or not saved:  # an interrupt, or an error no request can be blamed for
                 raise

@@ -12,15 +12,17 @@ A layer's two matmul pairs split so that each pair needs one all-reduce:
 
 Two ways to run the ranks (vLLM's distributed_executor_backend): "uni", simulated in one process (the numpy twin):
 each a thread running GPT.forward over its shard, the all-reduce and the gather as barriers, so the CPU tests prove
-the partitioning exact; and "mp", a process a rank, as on GPUs (one process a GPU): rank 0 runs the scheduler and the
-sampler and drives the others, sending each step's batch down a pipe; here on the CPU the collectives go through rank
-0 over those pipes (on GPUs, NCCL carries them). It imports nothing from nanoinfer.py: the model a rank runs is handed
-in.
+the partitioning exact; and "mp", a process a rank (one a GPU), each running the whole engine over its shard, rank 0
+relaying the calls that change it (Leader). On GPUs, NCCL carries the collectives, on the step's stream, so the CUDA
+graphs hold them; on the CPU they go through rank 0 over pipes. It imports nothing from nanoinfer.py: the model a rank
+runs, and the engine, are handed in.
 """
 import multiprocessing
 import multiprocessing.connection
+import os
 import signal
 import threading
+import time
 import weakref
 from functools import reduce
 
@@ -72,7 +74,7 @@ class Single:
     def all_reduce(self, x):
         return x
 
-    def all_gather(self, x):
+    def all_gather(self, x, n=None):
         return x
 
 
@@ -82,7 +84,7 @@ class Collectives:
     def all_reduce(self, x):
         return self._exchange(x, lambda xs: reduce(np.add, xs))
 
-    def all_gather(self, x):  # along the last axis (the lm_head's vocabulary)
+    def all_gather(self, x, n=None):  # along the last axis (the lm_head's vocabulary, n entries in all)
         return self._exchange(x, lambda xs: np.concatenate(xs, axis=-1))
 
 
@@ -102,12 +104,14 @@ class ThreadComm(Collectives):
 
 
 def check(size, config, backend, executor):
-    if size > 1 and (backend.name != "cpu" or config.n_head % size):
-        raise ValueError(f"tensor_parallel_size={size}: runs, for now, on device='cpu' only, and must divide the "
-                         f"model's {config.n_head} heads")
     if executor not in ("uni", "mp"):
         raise ValueError(f"distributed_executor_backend={executor!r}: 'uni' (ranks as threads of this process) or "
                          "'mp' (a process a rank)")
+    if size > 1 and config.n_head % size:
+        raise ValueError(f"tensor_parallel_size={size} must divide the model's {config.n_head} heads")
+    if size > 1 and backend.name == "cuda" and (executor != "mp" or size > backend.num_gpus):
+        raise ValueError(f"tensor_parallel_size={size} on GPUs: one process a GPU (distributed_executor_backend='mp'), "
+                         f"and this machine has {backend.num_gpus}")
 
 
 class SimulatedRanks:
@@ -145,146 +149,214 @@ class SimulatedRanks:
         return results[0]
 
 
-class StepAborted(Exception):
-    """A worker's step given up: rank 0 failed (or another rank did) before the step's collectives were done."""
+# -----------------------------------------------------------------------------
+# "mp": a process a rank, each running the whole engine (as on GPUs: one process a GPU)
+
+THIS_PROCESS = None  # in a spawned rank: (rank, size, pipe to rank 0, NCCL id), set before it makes its LLM
 
 
-class PipeComm(Collectives):
-    """A worker rank's collectives: its share goes to rank 0 (StarComm), which combines them and sends every rank the
-    result."""
-    def __init__(self, conn, rank, size):
-        self.conn, self.rank, self.size = conn, rank, size
-
-    def _exchange(self, x, combine):  # (rank 0 combines)
-        self.conn.send(("share", x))
-        kind, result = self.conn.recv()
-        if kind == "abort":
-            raise StepAborted
-        return result
+def start(llm_class, llm_args, size, executor, backend):
+    """This process's place among an LLM's ranks: Alone (one rank, or "uni": the ranks are SimulatedRanks), the
+    Leader (rank 0, which spawns the others: llm_class(**llm_args) each), or a Worker (a spawned rank)."""
+    if size == 1 or executor == "uni":
+        return Alone()
+    if THIS_PROCESS is not None:
+        return Worker(backend, *THIS_PROCESS)
+    return Leader(llm_class, llm_args, size, backend)
 
 
-def worker(make_model, weights, kv_shape, conn, rank, size):
-    """A worker rank's process: its model over its shard, its heads' K/V, then each batch rank 0 sends: forward, and
-    "done", or the error. Ctrl-C is rank 0's to handle (the terminal sends it to every process of the group)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    model = make_model(weights, comm=PipeComm(conn, rank, size))
-    kv = PagedKVCache(model.backend, *kv_shape, enable_prefix_caching=False)
-    while True:
-        try:
-            kind, batch = conn.recv()
-        except EOFError:  # rank 0 is gone
-            return
-        if kind == "stop":
-            return
-        if kind == "abort":  # a step rank 0 gave up after this rank had finished it
-            conn.send(("aborted", None))
-            continue
-        try:
-            model.forward(batch, kv)
-            conn.send(("done", None))
-        except StepAborted:
-            conn.send(("aborted", None))
-        except BaseException as e:  # noqa: B902 (sent whole: rank 0 raises it as the step's error)
-            try:
-                conn.send(("error", e))
-            except Exception:  # an error that does not pickle: its words
-                conn.send(("error", RuntimeError(f"tensor-parallel rank {rank}: {e!r}")))
+class Alone:
+    """A rank with no others to tell or wait for."""
+    rank, size, comm = 0, 1, Single()
+
+    def relay(self, call, *args):
+        pass
+
+    def check(self):
+        pass
+
+    def fail(self, error):
+        pass
+
+    def fewest(self, n, backend):
+        """The least of every rank's n (each sizes its KV pool from its own GPU's free memory)."""
+        if self.size == 1:
+            return n
+        mine = backend.asarray(np.full((1, 1), n, np.float32), np.float32)  # (1, 1); fp16 would overflow
+        return int(backend.tohost(self.comm.all_gather(mine, self.size)).min())
 
 
-class RankProcesses:
-    """tensor_parallel_size ranks, a process each (the "mp" executor): rank 0 is this process's model, the others are
-    spawned, each making its model from its shard (make_model must pickle: a class or a functools.partial).
-    forward(batch, kv) sends the workers the batch, runs rank 0's forward (whose collectives gather the workers'
-    shares here and send back the result), and waits for each worker's "done". A worker's error is raised here, after
-    every worker has given up the step (the engine then undoes it and goes on); a worker that dies, or gives no answer
-    for `timeout` seconds, ends the engine: this and every later forward raise a RuntimeError naming it."""
-    def __init__(self, make_model, weights, config, n_vocab, size, kv, timeout=300.0):
-        self.config, self.size, self.timeout, self.failed = config, size, timeout, None
-        kv_shape = (config.n_layer, config.n_head // size, config.head_dim, kv.num_blocks, kv.block_size)
-        ctx = multiprocessing.get_context("spawn")  # no fork of a process holding threads (or, on GPUs, a context)
+class Leader(Alone):
+    """Rank 0 of the "mp" executor. Every rank runs the whole engine (as SGLang's schedulers do, one a rank): rank 0
+    relays each call that changes it (a request added, with its seed resolved; an abort; a step; a prefix-cache
+    reset) to the others, which make them in the same order. The same calls, a deterministic engine and logits
+    gathered to every rank make the same batches, graphs, samples and blocks everywhere, with nothing mirrored.
+
+    A step that fails on one rank ends the engine (NCCL cannot undo half a step, and a rank cannot tell whether the
+    others wait for it in a collective): a worker that raises sends its error and exits; one that dies, or gives no
+    answer for `timeout` seconds, ends it too. Then this and every later step raise a RuntimeError naming the rank,
+    so each request ends with it; a new LLM starts afresh."""
+    rank = 0
+
+    def __init__(self, llm_class, llm_args, size, backend, timeout=300.0):
+        self.size, self.timeout, self.failed, self.busy_since = size, timeout, None, None
+        comm_id = backend.new_comm_id() if backend.name == "cuda" else None
+        ctx = multiprocessing.get_context("spawn")  # no fork of a process holding threads or a CUDA context
         self.conns, self.procs = [], []
         for r in range(1, size):
             mine, theirs = ctx.Pipe()
-            self.procs.append(ctx.Process(target=worker, name=f"nanoinfer rank {r}", daemon=True, args=(
-                make_model, shard(weights, config, n_vocab, r, size), kv_shape, theirs, r, size)))
+            self.procs.append(ctx.Process(target=run_worker, name=f"nanoinfer rank {r}", daemon=True,
+                                          args=(llm_class, llm_args, (r, size, theirs, comm_id))))
             self.procs[-1].start()
             theirs.close()
             self.conns.append(mine)
         weakref.finalize(self, stop_workers, self.conns, self.procs)  # when the engine goes, its workers go
-        self.rank0 = make_model(shard(weights, config, n_vocab, 0, size), comm=StarComm(self))
-        self.backend = self.rank0.backend
+        for r in range(1, size):
+            self.receive(r, "ready")  # its backend is up: the communicator can be set up
+        self.comm = StarComm(self) if backend.name == "cpu" else backend.communicator(comm_id, 0, size)
+        if backend.name == "cuda":  # a GPU waiting in a collective for a lost rank blocks this thread: another watches
+            threading.Thread(target=watch, args=(weakref.ref(self),), name="nanoinfer rank watch", daemon=True).start()
 
-    def forward(self, batch, kv):
+    def relay(self, call, *args):
+        """Each other rank makes the call next. A rank lost is the next step's error (its requests end with it)."""
+        for r in range(1, self.size):
+            if not self.failed:
+                self.send(r, (call, args))
+        self.busy_since = time.monotonic() if call == "step" else None
+        if self.failed and call == "step":
+            raise RuntimeError(self.failed)
+
+    def check(self):
+        """After a step's forward: a rank lost meanwhile makes its results untrustworthy."""
+        self.busy_since = None
         if self.failed:
             raise RuntimeError(self.failed)
-        try:
-            for r in range(1, self.size):
-                self.send(r, ("forward", batch))
-            logits = self.rank0.forward(batch, kv)
-            for r in range(1, self.size):
-                self.receive(r, "done")
-            return logits
-        except BaseException:
-            self.give_up_step()
-            raise
+
+    def fail(self, error):
+        self.stop(f"tensor-parallel rank 0's step failed ({type(error).__name__}: {error}), so the ranks no longer "
+                  "agree: the engine cannot go on; make a new LLM")
 
     def send(self, r, message):
         try:
             self.conns[r - 1].send(message)
         except OSError:  # a broken pipe: its process is gone
-            self.lost(r, "died")
+            self.stop(self.lost(r, "died"))
 
     def receive(self, r, want):
-        """Worker r's next message, which should be `want` ("share": its result; "done"); its error is raised."""
+        """Worker r's next message, which should be `want` ("ready"; "share": its part of a collective, on the CPU)."""
         conn, proc = self.conns[r - 1], self.procs[r - 1]
         ready = multiprocessing.connection.wait([conn, proc.sentinel], self.timeout)
         if conn not in ready:  # its process ended, or it stays silent
-            self.lost(r, "died" if proc.sentinel in ready else f"gave no answer in {self.timeout:g} s")
-        kind, value = conn.recv()
-        if kind == "error":
-            raise value
+            self.stop(self.lost(r, "died" if proc.sentinel in ready else f"gave no answer in {self.timeout:g} s"))
+        else:
+            try:
+                kind, value = conn.recv()
+            except (EOFError, OSError):  # its end of the pipe closed: it died
+                kind, value = "error", None
+            if kind == "error":
+                self.stop(self.lost(r, f"failed ({value})" if value else "died"))
+        if self.failed:
+            raise RuntimeError(self.failed)
         assert kind == want, (kind, want)
         return value
 
-    def give_up_step(self):
-        """After a failed step: every worker told to give it up, and its messages read up to its "aborted" (a worker
-        that had finished or failed answers it from its loop), so that the next step starts clean."""
-        if self.failed:
-            return
-        for r in range(1, self.size):
-            self.send(r, ("abort", None))
-        for r, conn in enumerate(self.conns, 1):
-            while True:
-                if not multiprocessing.connection.wait([conn, self.procs[r - 1].sentinel], self.timeout) or \
-                        not conn.poll():
-                    return self.stop(f"tensor-parallel rank {r} did not give up a failed step: the engine cannot go "
-                                     "on; make a new LLM")
-                if conn.recv()[0] == "aborted":
-                    break
-
     def lost(self, r, what):
-        """Worker r died or hangs: the engine stopped, with a RuntimeError that says so."""
+        """Why the engine ends: worker r died, hangs or failed."""
         proc = self.procs[r - 1]
         proc.join(0.1)
         code = f" (exit code {proc.exitcode})" if what == "died" and proc.exitcode is not None else ""
-        self.stop(f"tensor-parallel rank {r} {what}{code}: the engine cannot go on; make a new LLM")
-        raise RuntimeError(self.failed)
+        return f"tensor-parallel rank {r} {what}{code}: the engine cannot go on; make a new LLM"
 
     def stop(self, why):
-        self.failed = self.failed or why
-        stop_workers(self.conns, self.procs)
+        if not self.failed:
+            self.failed = why
+            stop_workers(self.conns, self.procs)
+            if hasattr(self.comm, "abort"):  # NCCL's: kernels waiting for a lost rank return
+                self.comm.abort()
+
+
+def watch(leader_ref):
+    """(A thread on GPUs.) A rank that dies, or a step that outlasts the timeout, ends the engine; NCCL's abort frees
+    rank 0's GPU, and the engine's thread if it waits on it. It holds the Leader only while it looks (weakly between)."""
+    while (leader := leader_ref()) is not None and not leader.failed:
+        sentinels = [p.sentinel for p in leader.procs]
+        del leader
+        dead = multiprocessing.connection.wait(sentinels, 1.0)
+        if (leader := leader_ref()) is None:
+            return
+        if dead:
+            r = 1 + sentinels.index(dead[0])
+            conn = leader.conns[r - 1]
+            leader.stop(leader.lost(r, f"failed ({conn.recv()[1]})" if conn.poll() else "died"))  # its last words
+        elif leader.busy_since and time.monotonic() - leader.busy_since > leader.timeout:
+            leader.stop(f"a step gave no answer in {leader.timeout:g} s (a tensor-parallel rank hangs): the engine "
+                        "cannot go on; make a new LLM")
 
 
 def stop_workers(conns, procs):
     for conn, proc in zip(conns, procs):
         if proc.is_alive():
             proc.kill()
+            proc.join(5)
         conn.close()
 
 
+class Worker(Alone):
+    """A spawned rank: rank 0's calls come down its pipe (run_worker); a failure of its own is sent up it, and the
+    process exits (rank 0 then ends the engine)."""
+    def __init__(self, backend, rank, size, conn, comm_id):
+        self.rank, self.size, self.conn = rank, size, conn
+        conn.send(("ready", None))
+        self.comm = PipeComm(conn, rank, size) if backend.name == "cpu" else backend.communicator(comm_id, rank, size)
+
+    def fail(self, error):
+        exit_with(self.conn, error)
+
+
+def exit_with(conn, error):
+    """A worker's end: its error sent to rank 0, then the process gone (at once: its engine is out of step)."""
+    try:
+        conn.send(("error", f"{type(error).__name__}: {error}"))
+    finally:
+        os._exit(1)
+
+
+def run_worker(llm_class, llm_args, place):
+    """A spawned rank's process: its GPU (device `rank`), its engine, then rank 0's calls in order until rank 0 is
+    gone. Ctrl-C is rank 0's to handle (the terminal sends it to every process of the group)."""
+    global THIS_PROCESS
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    rank, conn = place[0], place[2]
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")  # before CUDA starts here: this rank sees its GPU as device 0
+    os.environ["CUDA_VISIBLE_DEVICES"] = visible.split(",")[rank] if visible else str(rank)
+    parent = multiprocessing.parent_process().sentinel  # a lost rank 0 (or one killed) takes this process with it
+    threading.Thread(target=lambda: multiprocessing.connection.wait([parent]) and os._exit(1), daemon=True).start()
+    THIS_PROCESS = place
+    try:
+        llm = llm_class(**llm_args)
+        while True:
+            call, args = conn.recv()
+            getattr(llm, call)(*args)
+    except EOFError:  # rank 0 is gone
+        return
+    except BaseException as e:  # noqa: B902 (its engine could not be made, or a call raised)
+        exit_with(conn, e)
+
+
+class PipeComm(Collectives):
+    """A worker rank's collectives on the CPU: its share goes to rank 0 (StarComm), which combines them and sends every
+    rank the result."""
+    def __init__(self, conn, rank, size):
+        self.conn, self.rank, self.size = conn, rank, size
+
+    def _exchange(self, x, combine):  # (rank 0 combines)
+        self.conn.send(("share", x))
+        return self.conn.recv()[1]
+
+
 class StarComm(Collectives):
-    """Rank 0's collectives among processes: each worker's share received (in rank order), combined, and sent back to
-    every worker."""
+    """Rank 0's collectives among processes on the CPU: each worker's share received (in rank order), combined, and
+    sent back to every worker (on GPUs, NCCL does this)."""
     rank = 0
 
     def __init__(self, ranks):

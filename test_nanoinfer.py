@@ -23,8 +23,9 @@ import pytest
 import torch
 
 import nanoinfer as ni
-from conftest import (ALL_DEVICES, CPU, EOT, EXACT_DEVICES, N_NEW, SAMPLED, TOL, assert_idle, check_kv, finish_by_steps,
-                      greedy, hf_greedy, hf_logits, make_llm, random_ids, rel_err, solo, tokens, write_checkpoint)
+from conftest import (ALL_DEVICES, CPU, EOT, EXACT_DEVICES, Dev, N_NEW, NO_GPU, SAMPLED, TOL, TWO_GPUS, assert_idle,
+                      check_kv, finish_by_steps, greedy, hf_greedy, hf_logits, make_llm, random_ids, rel_err, solo,
+                      tokens, write_checkpoint)
 from nanoinfer import SamplingParams
 from scheduler import Sequence
 
@@ -311,8 +312,8 @@ def test_int8_quality_against_transformers(tiny, dev):
 @pytest.mark.parametrize("quantization", [None, "int8"])
 def test_tensor_parallel_changes_no_token(wide, size, executor, quantization):
     """tensor_parallel_size over Megatron's shards, its ranks threads of this process (the numpy twin: the all-reduces
-    and the lm_head's gather as barriers) or processes (distributed_executor_backend="mp": rank 0 drives the others
-    over pipes), against one rank, fp32: a prompt's logits within the fp32 tolerance (and transformers' too,
+    and the lm_head's gather as barriers) or processes (distributed_executor_backend="mp": each runs the engine, rank
+    0 relaying its calls), against one rank, fp32: a prompt's logits within the fp32 tolerance (and transformers' too,
     unquantized), greedy tokens equal, log-probs within tolerance, seeded samples equal, with chunked prefill and a
     pool tight enough to preempt; each rank's KV tensors hold its heads only. A size that does not divide the heads,
     or an unknown executor, is refused."""
@@ -322,13 +323,14 @@ def test_tensor_parallel_changes_no_token(wide, size, executor, quantization):
                                             (19, dict(temperature=1.2, top_p=0.9, seed=4))])]
     one, ranks = (make_llm(wide, CPU, quantization=quantization, tensor_parallel_size=tp, num_kv_tokens=160,
                            max_num_batched_tokens=32, distributed_executor_backend=executor) for tp in (1, size))
-    ids = random_ids(40, 9)
-    want, got = (Driver(llm).step([(0, ids)])[0] for llm in (one, ranks))
-    for llm in (one, ranks):
-        llm.kv.free(0)  # the driver's blocks, before the engine's sequence 0
-    assert rel_err(got, want) < TOL["float32"]
-    if quantization is None:
-        assert rel_err(got, hf_logits(wide, ids)) < TOL["float32"]
+    if executor == "uni":  # (the driver calls rank 0's forward alone: "mp" ranks forward only in the engine's steps)
+        ids = random_ids(40, 9)
+        want, got = (Driver(llm).step([(0, ids)])[0] for llm in (one, ranks))
+        for llm in (one, ranks):
+            llm.kv.free(0)  # the driver's blocks, before the engine's sequence 0
+        assert rel_err(got, want) < TOL["float32"]
+        if quantization is None:
+            assert rel_err(got, hf_logits(wide, ids)) < TOL["float32"]
     outs = {tp: llm.generate([p for p, _ in reqs], [q for _, q in reqs], use_tqdm=False)
             for tp, llm in ((1, one), (size, ranks))}
     assert ranks.scheduler.num_preemptions > 0, "the pool did not force a preemption"
@@ -343,6 +345,63 @@ def test_tensor_parallel_changes_no_token(wide, size, executor, quantization):
         make_llm(wide, CPU, tensor_parallel_size=3)
     with pytest.raises(ValueError, match="distributed_executor_backend"):
         make_llm(wide, CPU, tensor_parallel_size=2, distributed_executor_backend="ray")
+
+
+TP_REQUESTS = [(30, dict(temperature=0)), (7, dict(temperature=0)), (50, dict(temperature=0.9, top_k=40, seed=3)),
+               (19, dict(temperature=1.2, top_p=0.9, seed=4))]
+
+
+def tp_outputs(llm):
+    reqs = [(random_ids(n, seed), SamplingParams(max_tokens=40, ignore_eos=True, logprobs=2, **kw))
+            for seed, (n, kw) in enumerate(TP_REQUESTS)]
+    return llm.generate([p for p, _ in reqs], [q for _, q in reqs], use_tqdm=False)
+
+
+def assert_same_outputs(outs, want):
+    for a, b in zip(outs, want):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert x.keys() == y.keys() and all(abs(x[t].logprob - y[t].logprob) < 1e-4 for t in x)
+
+
+@NO_GPU
+def test_nccl_collectives_run_inside_the_graphs(wide, monkeypatch):
+    """Tensor parallelism's GPU path on one GPU: GPT's two all-reduces a layer and the lm_head's gather through NCCL
+    (a communicator of one rank), in eager steps and captured in the CUDA graphs (decode runs, prefill graphs), fp32:
+    greedy tokens, log-probs and seeded samples those of the engine without it."""
+    import parallel
+    from cupy.cuda import nccl
+    from cuda_backend import NcclComm
+    dev = Dev("cuda", "float32")
+    want = tp_outputs(make_llm(wide, dev))
+    comm = NcclComm(nccl.get_unique_id(), 0, 1)
+    monkeypatch.setattr(parallel.Alone, "comm", comm)  # every engine's rank, made after this
+    calls = []
+    monkeypatch.setattr(NcclComm, "all_reduce", lambda self, x, f=NcclComm.all_reduce: calls.append(1) or f(self, x))
+    for graphs in (True, False):
+        llm = make_llm(wide, dev, cuda_graphs=graphs)
+        assert llm.model.comm is comm and (llm.runner.graphs is not None) == graphs
+        assert_same_outputs(tp_outputs(llm), want)
+    assert len(calls) > 0
+
+
+@TWO_GPUS
+def test_tensor_parallel_on_two_gpus(wide):
+    """tensor_parallel_size=2 on two GPUs (a process each, NCCL inside the graphs), fp32, against one GPU: greedy tokens
+    equal, log-probs within 1e-4, seeded samples equal, each rank's KV holding its heads; a rank killed ends the engine
+    (every request then finishes with an error naming it), never hangs it."""
+    import os
+    import signal
+    dev = Dev("cuda", "float32")
+    want = tp_outputs(make_llm(wide, dev))
+    llm = make_llm(wide, dev, tensor_parallel_size=2, distributed_executor_backend="mp")
+    assert llm.kv.k[0].shape[2] == 2
+    assert_same_outputs(tp_outputs(llm), want)
+    llm.ranks.timeout = 10
+    os.kill(llm.ranks.procs[0].pid, signal.SIGKILL)
+    for _ in range(2):
+        assert all(o.outputs[0].finish_reason == "error" and "rank 1" in o.error for o in tp_outputs(llm))
+    assert not llm.has_unfinished() and llm.kv.allocator.num_free() == llm.kv.num_blocks
 
 
 @pytest.mark.parametrize("dev", EXACT_DEVICES)

@@ -213,62 +213,55 @@ def test_a_failed_rank_is_undone(tiny, error, monkeypatch):
     check_undone(tiny, CPU, llm, error, arm, 3, monkeypatch, "rank 1's forward")
 
 
-class FailingRank:
-    """A model factory for parallel.RankProcesses (it pickles, so that a spawned worker makes its model with it):
-    rank 1's forward raises Fault on its 3rd call, in the worker's own process."""
-    def __init__(self, make):
-        self.make = make
-
-    def __call__(self, weights, comm):
-        model = self.make(weights, comm=comm)
-        if comm.rank == 1:
-            forward, calls = model.forward, [0]
+class RankOneFails(LLM):
+    """An engine whose rank 1, in its own (spawned) process, raises Fault in its 30th forward: "mp" makes every rank
+    with the LLM's class (it pickles: it is defined at module level)."""
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.ranks.rank == 1:
+            forward, calls = self.model.forward, [0]
 
             def fails(*args):
                 calls[0] += 1
-                if calls[0] == 3:
+                if calls[0] == 30:  # (the test's first requests take 24)
                     raise Fault("injected")
                 return forward(*args)
-            model.forward = fails
-        return model
+            self.model.forward = fails
 
 
-def test_rank_processes_an_error_is_undone_a_death_or_hang_ends_the_engine(tiny):
-    """distributed_executor_backend="mp" (a process a rank, rank 0 driving the others over pipes): an error in rank 1's
-    process, on its 3rd forward, is raised in rank 0 after every rank gave the step up, so the step is undone and ends
-    the requests it touched, the others get their solo outputs, and the engine goes on (the same requests again: one
-    rank's outputs; every block free). A rank whose process dies, or stops answering (SIGSTOP, a 2-second timeout),
-    ends the engine instead: each request, then and later, finishes at once with an error naming the rank."""
-    import functools
-    import parallel
-    from checkpoint import load_weights
+@pytest.mark.parametrize("how", ["rank 1's error", "rank 0's error", "SIGKILL", "SIGSTOP"])
+def test_rank_processes_a_lost_rank_ends_the_engine(tiny, how, monkeypatch):
+    """distributed_executor_backend="mp" (a process a rank, each running the engine, rank 0 relaying its calls): a
+    step that fails on one rank (an error in rank 1's process, or in rank 0's forward), a rank whose process dies, or
+    one that stops answering (SIGSTOP, a 2-second timeout) ends the engine, never hangs it: each request, then and
+    later, finishes at once with an error (naming the rank), every block free, no worker left; before, the ranks give
+    one rank's outputs."""
     want = [solo(tiny, CPU, p, q) for p, q in zip(FAULT_PROMPTS, FAULT_PARAMS)]
-    llm = make_llm(tiny, CPU, num_kv_tokens=64, block_size=4, max_num_batched_tokens=16, tensor_parallel_size=2,
-                   distributed_executor_backend="mp")
-    c, n_vocab = llm.config, llm.tokenizer.n_vocab
-    llm.model.stop("replaced")
-    llm.model = llm.runner.model = parallel.RankProcesses(
-        FailingRank(functools.partial(ni.GPT, c, backend=llm.backend, n_vocab=n_vocab)),
-        load_weights(llm.model_dir, c), c, n_vocab, 2, llm.kv)
-    outs = llm.generate(FAULT_PROMPTS, FAULT_PARAMS, use_tqdm=False)
-    failed = [o for o in outs if o.outputs[0].finish_reason == "error"]
-    assert failed and all("injected" in o.error for o in failed), [o.error for o in outs]
-    for o, w, q in zip(outs, want, FAULT_PARAMS):
-        if o not in failed:
-            assert [x.token_ids for x in o.outputs] == (w if q.n > 1 else [w])
-    again = llm.generate(FAULT_PROMPTS, FAULT_PARAMS, use_tqdm=False)
-    assert [[x.token_ids for x in o.outputs] for o in again] == [w if q.n > 1 else [w]
-                                                                 for w, q in zip(want, FAULT_PARAMS)]
-    assert llm.kv.allocator.num_free() == llm.kv.num_blocks
-    for how, why in ((signal.SIGKILL, "rank 1 died"), (signal.SIGSTOP, "rank 1 gave no answer in 2 s")):
-        llm = make_llm(tiny, CPU, num_kv_tokens=64, tensor_parallel_size=2, distributed_executor_backend="mp")
-        llm.model.timeout = 2
-        assert llm.generate(FAULT_PROMPTS[:1], FAULT_PARAMS[:1], use_tqdm=False)[0].outputs[0].token_ids == want[0]
-        os.kill(llm.model.procs[0].pid, how)
-        for _ in range(2):
-            outs = llm.generate(FAULT_PROMPTS, FAULT_PARAMS, use_tqdm=False)
-            assert all(o.outputs[0].finish_reason == "error" and why in o.error for o in outs), [o.error for o in outs]
-        assert not llm.has_unfinished() and llm.kv.allocator.num_free() == llm.kv.num_blocks
+    make = RankOneFails if how == "rank 1's error" else LLM
+    llm = make(str(tiny.path), device="cpu", num_kv_tokens=64, tensor_parallel_size=2,
+               distributed_executor_backend="mp")
+    llm.ranks.timeout = 2
+    first = llm.generate(FAULT_PROMPTS[:1], FAULT_PARAMS[:1], use_tqdm=False)[0]
+    assert first.outputs[0].token_ids == want[0]
+    why = {"rank 1's error": "rank 1 failed (Fault: injected)", "rank 0's error": "rank 0's step failed (Fault",
+           "SIGKILL": "rank 1 died", "SIGSTOP": "rank 1 gave no answer in 2 s"}[how]
+    if how.startswith("SIG"):
+        os.kill(llm.ranks.procs[0].pid, getattr(signal, how))
+    elif how == "rank 0's error":
+        forward, calls = llm.model.forward, [0]
+
+        def fails(*args):
+            calls[0] += 1
+            if calls[0] == 3:
+                raise Fault("injected")
+            return forward(*args)
+        monkeypatch.setattr(llm.model, "forward", fails)
+    for again in (False, True):  # (the requests of the step that failed in rank 0 end with its own error)
+        outs = llm.generate(FAULT_PROMPTS, FAULT_PARAMS, use_tqdm=False)
+        assert all(o.outputs[0].finish_reason == "error" and (why in o.error or not again and "Fault: injected" in
+                                                              o.error) for o in outs), [o.error for o in outs]
+    assert not llm.has_unfinished() and llm.kv.allocator.num_free() == llm.kv.num_blocks
+    assert not any(p.is_alive() for p in llm.ranks.procs)
 
 
 def check_undone(tiny, dev, llm, error, arm, at, monkeypatch, point):
