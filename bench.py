@@ -157,6 +157,22 @@ def quantization_lesson(size, model, copy_gbs, workloads, repeats, **engine):
             f"log-prob error {err:.3f} of max, mean KL {kl:.2e}")
 
 
+def tensor_parallel_lesson(workloads, repeats, **engine):
+    """tensor_parallel_size=2 against 1, an engine each, alternating (a_against_b), on each (model, label, prompts,
+    max_tokens): gpt2-xl, whose halved weight reads should beat two all-reduces a layer, and gpt2, where they cannot."""
+    import cupy as cp
+    if cp.cuda.runtime.getDeviceCount() < 2:
+        return f"needs 2 GPUs; this machine has {cp.cuda.runtime.getDeviceCount()}: not run"
+    results = []
+    for model in dict.fromkeys(m for m, *_ in workloads):
+        llms = [LLM(model, tensor_parallel_size=tp, distributed_executor_backend="mp", **engine) for tp in (2, 1)]
+        results.append(f"{model}: " + a_against_b(*(lambda p, n, llm=llm: time_generate(llm, p, n)[0] for llm in llms),
+                                                  [w[1:] for w in workloads if w[0] == model], repeats))
+        del llms
+        gc.collect()
+    return "; ".join(results) + " (tok/s, TP 2 against TP 1)"
+
+
 def stage(what):
     print(f"bench: {what}", flush=True)
 
@@ -324,6 +340,10 @@ def bench_gpu(path, repeats):
                             device="cuda", gpu_memory_utilization=0.2),
         quantization_lesson("gpt2-xl", "random:gpt2-xl", copy_gbs, [("single stream", one, 128)], repeats,
                             device="cuda", gpu_memory_utilization=0.2)])
+    lessons["tensor parallelism (tensor_parallel_size, one process a GPU, NCCL in the graphs)"] = \
+        tensor_parallel_lesson([(m, label, p, n) for m in ("random:gpt2-xl", "random:gpt2") for label, p, n in (
+            ("single stream", one, 128), ("offline", prompts, lens))], repeats, device="cuda",
+            gpu_memory_utilization=0.3)
     return rows, lessons
 
 
