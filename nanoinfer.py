@@ -413,16 +413,17 @@ class LLM:
                  max_num_batched_tokens=16384, num_kv_tokens=None, gpu_memory_utilization=0.9, seed=0,
                  cuda_graphs=True, fused=True, num_scheduler_steps=16, dependent_launches=True, batch_invariant=False,
                  enable_prefix_caching=True, quantization=None, speculative_config=None, tensor_parallel_size=1,
-                 distributed_executor_backend="uni"):
+                 distributed_executor_backend=None):
         check_engine_arguments(args := {k: v for k, v in locals().items() if k != "self"})
         self.model_dir = path = resolve_model(model)
         self.config = c = load_config(path)
         self.tokenizer = Tokenizer(path, c.vocab_size)
         self.backend = make_backend(device, dtype)
         self.backend.check_model(c)
-        tp, executor = tensor_parallel_size, distributed_executor_backend  # ranks, each with its share of the heads
-        parallel.check(tp, c, self.backend, executor)  # (and of every matmul): parallel.py
-        # this process's rank: "mp" runs this engine in a process a rank (rank 0 spawns them and relays its calls)
+        # ranks, each with its share of the heads (and of every matmul): parallel.py. "mp" runs this engine in a
+        # process a rank (rank 0 spawns them and relays its calls; GPUs' default); "uni" as threads (the CPU's)
+        tp, executor = tensor_parallel_size, distributed_executor_backend or {"cuda": "mp"}.get(self.backend.name, "uni")
+        parallel.check(tp, c, self.backend, executor)
         self.ranks = rank = parallel.start(type(self), dict(args, model=path), tp, executor, self.backend)
         # the lessons' switches: fusion, dependent launches; and outputs bitwise the same solo, batched, chunked or
         # preempted (every reduction row by row, in a fixed order)

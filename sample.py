@@ -53,6 +53,8 @@ def main():
     ap.add_argument("--speculative-config", type=json_object, metavar="JSON", help='speculative decoding (no token '
                     'changes): {"method": "ngram", "num_speculative_tokens": 3} or {"model": "distilgpt2", '
                     '"num_speculative_tokens": 3}')
+    ap.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs each layer is split over (Megatron's "
+                    "split; a process a GPU)")
     args = ap.parse_args()
     prompts = args.prompt + [read_prompt(ap, f) for f in args.prompt_file] or [""]
     from nanoinfer import LLM, SamplingParams  # here: a Ctrl-C while numpy loads exits quietly too
@@ -66,7 +68,7 @@ def main():
         ap.error(f"{FLAGS.get(field, field)} {rest.split(': ', 1)[0]}: {rest.split(': ', 1)[-1]}")
     try:
         llm = LLM(args.model, device=args.device, dtype=args.dtype, quantization=args.quantization,
-                  speculative_config=args.speculative_config)
+                  speculative_config=args.speculative_config, tensor_parallel_size=args.tensor_parallel_size)
     except Exception as e:  # a model directory's problem, the download, the GPU: the message says what to do
         sys.exit(f"error: {e}")
     return stream_to_terminal(llm, prompts, params)
