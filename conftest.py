@@ -45,7 +45,7 @@ EOT = 50256
 N_NEW = 16  # new tokens in the greedy comparisons
 
 
-def _num_gpus():
+def num_gpus():
     try:
         import cupy
         return cupy.cuda.runtime.getDeviceCount()
@@ -53,8 +53,8 @@ def _num_gpus():
         return 0
 
 
-NO_GPU = pytest.mark.skipif(not _num_gpus(), reason="CUDA backend: needs CuPy and an NVIDIA GPU")
-TWO_GPUS = pytest.mark.skipif(_num_gpus() < 2, reason="tensor parallelism on GPUs: needs two NVIDIA GPUs")
+NO_GPU = pytest.mark.skipif(not num_gpus(), reason="CUDA backend: needs CuPy and an NVIDIA GPU")
+TWO_GPUS = pytest.mark.skipif(num_gpus() < 2, reason="tensor parallelism on GPUs: needs two NVIDIA GPUs")
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,8 @@ def engine_main(engine_args, conns):
     """The engine process: build the LLM, tell each server it is ready, then step it, reading the servers' messages
     between steps (waiting for one while idle). It ends when every server has said stop or gone away."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the servers' to handle: they stop this process
+    multiprocessing.current_process().daemon = False  # (here) so that it may start tensor-parallel ranks: they exit
+    # with it; the servers still end it as a daemon
     from nanoinfer import LLM, log
     try:
         llm = LLM(**engine_args)

@@ -504,6 +504,10 @@ def main():
                     "default: 1")
     ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                     help="reuse the KV of prompts' shared first blocks across requests; default: on")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs each layer is split over (Megatron's "
+                    "split); default: 1")
+    ap.add_argument("--distributed-executor-backend", choices=["mp", "uni"], help="mp: a process a rank (GPUs' "
+                    "default); uni: ranks as threads of the engine process (the CPU's)")
     args = ap.parse_args()
     if args.api_server_count < 1:
         ap.error(f"--api-server-count {args.api_server_count}: must be at least 1")
@@ -517,7 +521,8 @@ def main():
     engine_args = dict(model=args.model, device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
                        gpu_memory_utilization=args.gpu_memory_utilization,
                        enable_prefix_caching=args.enable_prefix_caching, quantization=args.quantization,
-                       speculative_config=args.speculative_config)
+                       speculative_config=args.speculative_config, tensor_parallel_size=args.tensor_parallel_size,
+                       distributed_executor_backend=args.distributed_executor_backend)
     process, conns = start_engine(engine_args, args.api_server_count)
     try:
         engine = EngineProcess(conns[0], process)

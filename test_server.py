@@ -140,15 +140,21 @@ def test_server_32_streams_join_one_batch(server):
 
 
 def test_server_with_two_http_processes(tiny):
-    """--api-server-count 2: two HTTP server processes accept on one socket and share one engine process: 24 clients
-    at once, on connections of their own, stream their solo texts; /metrics answers for the whole engine (every
-    finished sample, from either process); a client gone mid-stream is aborted; SIGTERM exits 0, leaving no child."""
+    """--api-server-count 2: two HTTP server processes accept on one socket and share one engine process, whose two
+    tensor-parallel ranks are processes (--tensor-parallel-size 2 --distributed-executor-backend mp): 24 clients at
+    once, on connections of their own, stream their solo texts; /metrics answers for the whole engine (every finished
+    sample, from either process); a client gone mid-stream is aborted; SIGTERM exits 0, leaving no child or
+    grandchild."""
     import httpx
-    proc, url = start_server(tiny, "--api-server-count", "2")
+    proc, url = start_server(tiny, "--api-server-count", "2", "--tensor-parallel-size", "2",
+                             "--distributed-executor-backend", "mp")
+    children = lambda pid: [int(c) for c in open(f"/proc/{pid}/task/{pid}/children").read().split()]  # noqa: E731
+    ranks = []
     try:
-        children = lambda: [int(c) for c in open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()]  # noqa
-        spawned = [k for k in children() if b"spawn_main" in open(f"/proc/{k}/cmdline", "rb").read()]
+        spawned = [k for k in children(proc.pid) if b"spawn_main" in open(f"/proc/{k}/cmdline", "rb").read()]
         assert len(spawned) == 2  # the engine, the second HTTP server (and multiprocessing's resource tracker)
+        ranks = [k for e in spawned for k in children(e) if b"spawn_main" in open(f"/proc/{k}/cmdline", "rb").read()]
+        assert len(ranks) == 1  # the engine's rank 1
         llm = LLM(str(tiny.path), device="cpu")
         prompts = [f"Tale {i}:" for i in range(24)]
         want = [o.outputs[0].text for o in llm.generate(prompts, greedy(12), use_tqdm=False)]
@@ -159,7 +165,7 @@ def test_server_with_two_http_processes(tiny):
         wait_idle(url)
         assert all(server_metrics(url)['nanoinfer_samples_finished{reason="length"}'] >= 24 for _ in range(4))
     finally:
-        kids = children()
+        kids = children(proc.pid) + ranks
         proc.terminate()
         assert proc.wait(timeout=60) == 0
     alive = lambda: [k for k in kids if os.path.exists(f"/proc/{k}") and  # noqa: E731
