@@ -183,7 +183,9 @@ class Alone:
         if self.size == 1:
             return n
         mine = backend.asarray(np.full((1, 1), n, np.float32), np.float32)  # (1, 1); fp16 would overflow
-        return int(backend.tohost(self.comm.all_gather(mine, self.size)).min())
+        fewest = int(backend.tohost(self.comm.all_gather(mine, self.size)).min())
+        self.check()  # a rank lost while the engines are made: the LLM is not made
+        return fewest
 
 
 class Leader(Alone):

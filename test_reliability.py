@@ -229,6 +229,25 @@ class RankOneFails(LLM):
             self.model.forward = fails
 
 
+class RankOneCannotStart(LLM):
+    """An engine whose rank 1 fails while it is made (in its own process, as "no memory left" would)."""
+    def __init__(self, *args, **kwargs):
+        import parallel
+        if parallel.THIS_PROCESS is not None:
+            raise MemoryError("no room for the weights")
+        super().__init__(*args, **kwargs)
+
+
+def test_a_rank_that_cannot_start_fails_the_llm(tiny):
+    """distributed_executor_backend="mp": a rank whose engine cannot be made fails LLM() with an error naming it (and
+    what it said), leaving no process behind."""
+    import multiprocessing
+    with pytest.raises(RuntimeError, match=r"rank 1 failed \(MemoryError: no room for the weights\)"):
+        RankOneCannotStart(str(tiny.path), device="cpu", num_kv_tokens=64, tensor_parallel_size=2,
+                           distributed_executor_backend="mp")
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("nanoinfer rank")]
+
+
 @pytest.mark.parametrize("how", ["rank 1's error", "rank 0's error", "SIGKILL", "SIGSTOP"])
 def test_rank_processes_a_lost_rank_ends_the_engine(tiny, how, monkeypatch):
     """distributed_executor_backend="mp" (a process a rank, each running the engine, rank 0 relaying its calls): a
