@@ -542,13 +542,13 @@ class LLM:
                 drafts_next = bool(self.speculator) and self.speculator.active(len(self.scheduler.running))
                 tokens, logits, drafts = self.runner.run(batch, seqs, not (self.scheduler.wants_admission() or
                                                                            drafts_next), drafts_next)
-                self.ranks.check()
                 for seq, n in scheduled:
                     seq.num_computed += n  # their K/V are in the cache now
                 add_prompt_logprobs(prompt_rows, logits, len(seqs), self.tokenizer)
                 events = self._postprocess(seqs, tokens, logits, drafts)
                 for seq, _ in scheduled:  # their full blocks, findable now (those that finished: when freed)
                     self.kv.name_computed(seq.seq_id, seq.token_ids, seq.num_computed)
+            self.ranks.check()  # a rank lost meanwhile: the step's results are not to be trusted (it is undone)
         except BaseException as e:
             self.ranks.fail(e)  # the other ranks ran on, or wait for this one: the engine ends
             self._undo(saved)

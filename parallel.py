@@ -229,7 +229,7 @@ class Leader(Alone):
             raise RuntimeError(self.failed)
 
     def check(self):
-        """After a step's forward: a rank lost meanwhile makes its results untrustworthy."""
+        """At a step's end (or once the engines are made): a rank lost meanwhile makes its results untrustworthy."""
         self.busy_since = None
         if self.failed:
             raise RuntimeError(self.failed)

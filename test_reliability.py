@@ -248,6 +248,28 @@ def test_a_rank_that_cannot_start_fails_the_llm(tiny):
     assert not [p for p in multiprocessing.active_children() if p.name.startswith("nanoinfer rank")]
 
 
+def test_the_watch_ends_an_engine_whose_rank_dies_not_an_idle_one(tiny):
+    """parallel.watch, the thread that on GPUs ends an engine whose rank is lost while rank 0 may be waiting on its GPU,
+    here over a CPU "mp" engine with a 1-second timeout: an engine idle past the timeout goes on; a rank killed
+    ends it within seconds, with no step running."""
+    import time
+    import weakref
+    import parallel
+    llm = LLM(str(tiny.path), device="cpu", num_kv_tokens=64, tensor_parallel_size=2, distributed_executor_backend="mp")
+    llm.ranks.timeout = 1
+    llm.generate(FAULT_PROMPTS[:1], FAULT_PARAMS[:1], use_tqdm=False)
+    threading.Thread(target=parallel.watch, args=(weakref.ref(llm.ranks),), daemon=True).start()
+    time.sleep(2.5)
+    assert llm.ranks.failed is None
+    assert llm.generate(FAULT_PROMPTS[:1], FAULT_PARAMS[:1], use_tqdm=False)[0].outputs[0].finish_reason == "length"
+    os.kill(llm.ranks.procs[0].pid, signal.SIGKILL)
+    for _ in range(50):
+        if llm.ranks.failed:
+            break
+        time.sleep(0.1)
+    assert "rank 1 died" in (llm.ranks.failed or "")
+
+
 @pytest.mark.parametrize("how", ["rank 1's error", "rank 0's error", "SIGKILL", "SIGSTOP"])
 def test_rank_processes_a_lost_rank_ends_the_engine(tiny, how, monkeypatch):
     """distributed_executor_backend="mp" (a process a rank, each running the engine, rank 0 relaying its calls): a
