@@ -288,11 +288,19 @@ def watch(leader_ref):
             return
         if dead:
             r = 1 + sentinels.index(dead[0])
-            conn = leader.conns[r - 1]
-            leader.stop(leader.lost(r, f"failed ({conn.recv()[1]})" if conn.poll() else "died"))  # its last words
+            why = last_words(leader.conns[r - 1])
+            leader.stop(leader.lost(r, f"failed ({why})" if why else "died"))
         elif leader.busy_since and time.monotonic() - leader.busy_since > leader.timeout:
             leader.stop(f"a step gave no answer in {leader.timeout:g} s (a tensor-parallel rank hangs): the engine "
                         "cannot go on; make a new LLM")
+
+
+def last_words(conn):
+    """What a worker that ended sent last (its error), if it sent anything: its end of the pipe may be gone too."""
+    try:
+        return conn.recv()[1] if conn.poll() else None
+    except (EOFError, OSError):
+        return None
 
 
 def stop_workers(conns, procs):
