@@ -162,10 +162,10 @@ def tensor_parallel_lesson(workloads, repeats, **engine):
     max_tokens): gpt2-xl, whose halved weight reads should beat two all-reduces a layer, and gpt2, where they cannot."""
     import cupy as cp
     if cp.cuda.runtime.getDeviceCount() < 2:
-        return f"needs 2 GPUs; this machine has {cp.cuda.runtime.getDeviceCount()}: not run"
+        return "needs 2 GPUs: not run"
     results = []
-    for model in dict.fromkeys(m for m, *_ in workloads):
-        llms = [LLM(model, tensor_parallel_size=tp, distributed_executor_backend="mp", **engine) for tp in (2, 1)]
+    for model in dict.fromkeys(m for m, *_ in workloads):  # (on GPUs, a process a rank: "mp", the default)
+        llms = [LLM(model, tensor_parallel_size=tp, **engine) for tp in (2, 1)]
         results.append(f"{model}: " + a_against_b(*(lambda p, n, llm=llm: time_generate(llm, p, n)[0] for llm in llms),
                                                   [w[1:] for w in workloads if w[0] == model], repeats))
         del llms
@@ -341,7 +341,7 @@ def bench_gpu(path, repeats):
         quantization_lesson("gpt2-xl", "random:gpt2-xl", copy_gbs, [("single stream", one, 128)], repeats,
                             device="cuda", gpu_memory_utilization=0.2)])
     lessons["tensor parallelism (tensor_parallel_size, one process a GPU, NCCL in the graphs)"] = \
-        tensor_parallel_lesson([(m, label, p, n) for m in ("random:gpt2-xl", "random:gpt2") for label, p, n in (
+        tensor_parallel_lesson([(m, *w) for m in ("random:gpt2-xl", "random:gpt2") for w in (
             ("single stream", one, 128), ("offline", prompts, lens))], repeats, device="cuda",
             gpu_memory_utilization=0.3)
     return rows, lessons

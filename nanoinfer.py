@@ -422,8 +422,8 @@ class LLM:
         self.backend.check_model(c)
         # ranks, each with its share of the heads (and of every matmul): parallel.py. "mp" runs this engine in a
         # process a rank (rank 0 spawns them and relays its calls; GPUs' default); "uni" as threads (the CPU's)
-        tp, executor = tensor_parallel_size, distributed_executor_backend or {"cuda": "mp"}.get(self.backend.name, "uni")
-        parallel.check(tp, c, self.backend, executor)
+        tp, executor = tensor_parallel_size, parallel.check(tensor_parallel_size, c, self.backend,
+                                                            distributed_executor_backend)
         self.ranks = rank = parallel.start(type(self), dict(args, model=path), tp, executor, self.backend)
         # the lessons' switches: fusion, dependent launches; and outputs bitwise the same solo, batched, chunked or
         # preempted (every reduction row by row, in a fixed order)

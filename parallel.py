@@ -104,6 +104,9 @@ class ThreadComm(Collectives):
 
 
 def check(size, config, backend, executor):
+    """The executor to run the ranks with: as asked, or by default "mp" on GPUs (a process a GPU) and "uni" on the
+    CPU; ValueError for what cannot run."""
+    executor = executor or ("mp" if backend.name == "cuda" else "uni")
     if executor not in ("uni", "mp"):
         raise ValueError(f"distributed_executor_backend={executor!r}: 'uni' (ranks as threads of this process) or "
                          "'mp' (a process a rank)")
@@ -112,6 +115,7 @@ def check(size, config, backend, executor):
     if size > 1 and backend.name == "cuda" and (executor != "mp" or size > backend.num_gpus):
         raise ValueError(f"tensor_parallel_size={size} on GPUs: one process a GPU (distributed_executor_backend='mp'), "
                          f"and this machine has {backend.num_gpus}")
+    return executor
 
 
 class SimulatedRanks:
@@ -279,7 +283,7 @@ class Leader(Alone):
 
 def watch(leader_ref):
     """(A thread on GPUs.) A rank that dies, or a step that outlasts the timeout, ends the engine; NCCL's abort frees
-    rank 0's GPU, and the engine's thread if it waits on it. It holds the Leader only while it looks (weakly between)."""
+    rank 0's GPU, and the engine's thread if it waits on it. It holds the Leader only while it looks."""
     while (leader := leader_ref()) is not None and not leader.failed:
         sentinels = [p.sentinel for p in leader.procs]
         del leader

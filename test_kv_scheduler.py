@@ -133,8 +133,8 @@ def test_stress_every_request_gets_its_solo_output(tiny, wide, dev, reqs, block_
     third opening alike, for the prefix cache; a fifth repeating themselves, for n-gram drafts; speculation on in 5 runs
     of 7: n-gram, k = 1 or 3 (once drafting only while at most 2 run), or a draft model, the target itself or another,
     k = 2 or 3; two tensor-parallel ranks when the first request's seed is odd, on the CPU as processes when it is 3
-    mod 4, else threads, on GPUs (two or more) a process each) arriving while others run, some aborted at a random step, on random pools (down to the
-    smallest that fits the largest request), block sizes and budgets: every request finishes with its solo output
+    mod 4, else threads, on GPUs (two or more) a process each) arriving while others run, some aborted at a random
+    step, on random pools (down to the smallest that fits the largest request), block sizes and budgets: every request finishes with its solo output
     (alone, no speculation, one rank; an aborted one: a prefix of it) and its prompt log-probs (each prompt token's
     once, within 1e-4 of solo's), the allocator invariants hold after every step, and no block leaks."""
     work = []
@@ -159,7 +159,7 @@ def test_stress_every_request_gets_its_solo_output(tiny, wide, dev, reqs, block_
     llm = make_llm(tiny, dev, block_size=block_size, num_kv_tokens=biggest + slack,
                    max_num_batched_tokens=max_batched, max_num_seqs=max_seqs, speculative_config=spec,
                    tensor_parallel_size=1 + reqs[0][4] % 2 if dev.device == "cpu" or num_gpus() > 1 else 1,
-                   distributed_executor_backend="mp" if reqs[0][4] % 4 == 3 or dev.device == "cuda" else "uni")
+                   distributed_executor_backend="mp" if reqs[0][4] % 4 == 3 else None)  # None: GPUs' "mp"
     pending, ids, done, aborts, t, idle = sorted(work, key=lambda w: w[0]), {}, {}, {}, 0, 0
     while pending or llm.has_unfinished():
         while pending and (pending[0][0] <= t or not llm.has_unfinished()):
