@@ -255,10 +255,7 @@ class Leader(Alone):
         if conn not in ready:  # its process ended, or it stays silent
             self.stop(self.lost(r, "died" if proc.sentinel in ready else f"gave no answer in {self.timeout:g} s"))
         else:
-            try:
-                kind, value = conn.recv()
-            except (EOFError, OSError):  # its end of the pipe closed: it died
-                kind, value = "error", None
+            kind, value = next_message(conn)
             if kind == "error":
                 self.stop(self.lost(r, f"failed ({value})" if value else "died"))
         if self.failed:
@@ -292,19 +289,20 @@ def watch(leader_ref):
             return
         if dead:
             r = 1 + sentinels.index(dead[0])
-            why = last_words(leader.conns[r - 1])
-            leader.stop(leader.lost(r, f"failed ({why})" if why else "died"))
+            kind, why = next_message(leader.conns[r - 1])  # its last words, if it sent any
+            leader.stop(leader.lost(r, f"failed ({why})" if kind == "error" and why else "died"))
         elif leader.busy_since and time.monotonic() - leader.busy_since > leader.timeout:
             leader.stop(f"a step gave no answer in {leader.timeout:g} s (a tensor-parallel rank hangs): the engine "
                         "cannot go on; make a new LLM")
 
 
-def last_words(conn):
-    """What a worker that ended sent last (its error), if it sent anything: its end of the pipe may be gone too."""
+def next_message(conn):
+    """A worker's next (kind, value) down its pipe; ("error", None) where it sent nothing more and its end is gone (it
+    died: a pipe reset by the kill raises)."""
     try:
-        return conn.recv()[1] if conn.poll() else None
+        return conn.recv() if conn.poll() else ("error", None)
     except (EOFError, OSError):
-        return None
+        return "error", None
 
 
 def stop_workers(conns, procs):

@@ -134,9 +134,10 @@ def test_stress_every_request_gets_its_solo_output(tiny, wide, dev, reqs, block_
     of 7: n-gram, k = 1 or 3 (once drafting only while at most 2 run), or a draft model, the target itself or another,
     k = 2 or 3; two tensor-parallel ranks when the first request's seed is odd, on the CPU as processes when it is 3
     mod 4, else threads, on GPUs (two or more) a process each) arriving while others run, some aborted at a random
-    step, on random pools (down to the smallest that fits the largest request), block sizes and budgets: every request finishes with its solo output
-    (alone, no speculation, one rank; an aborted one: a prefix of it) and its prompt log-probs (each prompt token's
-    once, within 1e-4 of solo's), the allocator invariants hold after every step, and no block leaks."""
+    step, on random pools (down to the smallest that fits the largest request), block sizes and budgets: every request
+    finishes with its solo output (alone, no speculation, one rank; an aborted one: a prefix of it) and its prompt
+    log-probs (each prompt token's once, within 1e-4 of solo's), the allocator invariants hold after every step, and no
+    block leaks."""
     work = []
     for length, max_tokens, arrival, sampled, seed, abort, n in reqs:
         extra = dict(n=n, prompt_logprobs=1 if seed % 4 == 0 else None, logprobs=1 if seed % 7 == 3 else None)

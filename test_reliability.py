@@ -218,15 +218,8 @@ class RankOneFails(LLM):
     with the LLM's class (it pickles: it is defined at module level)."""
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        if self.ranks.rank == 1:
-            forward, calls = self.model.forward, [0]
-
-            def fails(*args):
-                calls[0] += 1
-                if calls[0] == 30:  # (the test's first requests take 24)
-                    raise Fault("injected")
-                return forward(*args)
-            self.model.forward = fails
+        if self.ranks.rank == 1:  # (the test's first requests take 24 forwards)
+            inject(pytest.MonkeyPatch(), self.model, "forward", Fault("injected"), 30)
 
 
 class RankOneCannotStart(LLM):
@@ -289,14 +282,7 @@ def test_rank_processes_a_lost_rank_ends_the_engine(tiny, how, monkeypatch):
     if how.startswith("SIG"):
         os.kill(llm.ranks.procs[0].pid, getattr(signal, how))
     elif how == "rank 0's error":
-        forward, calls = llm.model.forward, [0]
-
-        def fails(*args):
-            calls[0] += 1
-            if calls[0] == 3:
-                raise Fault("injected")
-            return forward(*args)
-        monkeypatch.setattr(llm.model, "forward", fails)
+        inject(monkeypatch, llm.model, "forward", Fault("injected"), 3)
     for again in (False, True):  # (the requests of the step that failed in rank 0 end with its own error)
         outs = llm.generate(FAULT_PROMPTS, FAULT_PARAMS, use_tqdm=False)
         assert all(o.outputs[0].finish_reason == "error" and (why in o.error or not again and "Fault: injected" in
