@@ -63,11 +63,16 @@ def a_against_b(run_a, run_b, workloads, repeats):
     return "; ".join(results)
 
 
+def engines_against(llm_a, llm_b, workloads, repeats):
+    """a_against_b for two engines, each run timed by time_generate."""
+    runs = (lambda p, n, llm=llm: time_generate(llm, p, n)[0] for llm in (llm_a, llm_b))
+    return a_against_b(*runs, workloads, repeats)
+
+
 def batch_invariance_cost(path, device, workloads, repeats, **engine):
     """batch_invariant on against off, one engine each: outputs bitwise the same in any batch, at this price."""
-    llms = {on: LLM(str(path), device=device, batch_invariant=on, **engine) for on in (True, False)}
-    return a_against_b(*(lambda prompts, n, on=on: time_generate(llms[on], prompts, n)[0] for on in (True, False)),
-                       workloads, repeats)
+    return engines_against(*(LLM(str(path), device=device, batch_invariant=on, **engine) for on in (True, False)),
+                           workloads, repeats)
 
 
 def prefix_caching_lesson(path, device, repeats, **engine):
@@ -112,8 +117,7 @@ def speculation_lesson(points, repeats, **engine):
     out = []
     for label, model, spec, prompts, max_tokens, kv_tokens in points:
         llms = [LLM(model, speculative_config=s, num_kv_tokens=kv_tokens, **engine) for s in (spec, None)]
-        timing = a_against_b(*(lambda p, n, llm=llm: time_generate(llm, p, n)[0] for llm in llms),
-                             [(label, prompts, max_tokens)], repeats)
+        timing = engines_against(*llms, [(label, prompts, max_tokens)], repeats)
         s = llms[0].speculator
         tokens = repeats * len(prompts) * (4 + max_tokens)  # each sequence's, time_generate's 4 to warm up included
         a, k, made = s.accepted / max(s.proposed, 1), spec["num_speculative_tokens"], tokens / (tokens - s.accepted)
@@ -138,8 +142,7 @@ def quantization_lesson(size, model, copy_gbs, workloads, repeats, **engine):
     fp16's greedy continuation of the first workload's prompt: greedy tokens that agree, the largest logit error (of
     max|logit|) and the mean KL divergence of the next-token distributions (teacher-forced)."""
     llms = {q: LLM(str(model), quantization=q, **engine) for q in ("int8", None)}
-    timing = a_against_b(*(lambda p, n, llm=llm: time_generate(llm, p, n)[0] for llm in llms.values()), workloads,
-                         repeats)
+    timing = engines_against(*llms.values(), workloads, repeats)
     prompt = workloads[0][1][:1]
     outs = {q: llm.generate(prompt, greedy(128), use_tqdm=False)[0] for q, llm in llms.items()}
     ids = outs[None].prompt_token_ids + outs[None].outputs[0].token_ids
@@ -157,17 +160,16 @@ def quantization_lesson(size, model, copy_gbs, workloads, repeats, **engine):
             f"log-prob error {err:.3f} of max, mean KL {kl:.2e}")
 
 
-def tensor_parallel_lesson(workloads, repeats, **engine):
-    """tensor_parallel_size=2 against 1, an engine each, alternating (a_against_b), on each (model, label, prompts,
-    max_tokens): gpt2-xl, whose halved weight reads should beat two all-reduces a layer, and gpt2, where they cannot."""
+def tensor_parallel_lesson(models, workloads, repeats, **engine):
+    """tensor_parallel_size=2 against 1, an engine each, alternating (a_against_b), on each model: gpt2-xl, whose
+    halved weight reads should beat two all-reduces a layer, and gpt2, where they cannot."""
     import cupy as cp
     if cp.cuda.runtime.getDeviceCount() < 2:
         return "needs 2 GPUs: not run"
     results = []
-    for model in dict.fromkeys(m for m, *_ in workloads):  # (on GPUs, a process a rank: "mp", the default)
+    for model in models:  # (on GPUs, a process a rank: "mp", the default)
         llms = [LLM(model, tensor_parallel_size=tp, **engine) for tp in (2, 1)]
-        results.append(f"{model}: " + a_against_b(*(lambda p, n, llm=llm: time_generate(llm, p, n)[0] for llm in llms),
-                                                  [w[1:] for w in workloads if w[0] == model], repeats))
+        results.append(f"{model}: " + engines_against(*llms, workloads, repeats))
         del llms
         gc.collect()
     return "; ".join(results) + " (tok/s, TP 2 against TP 1)"
@@ -335,15 +337,15 @@ def bench_gpu(path, repeats):
     del xl
     gc.collect()
     cp.get_default_memory_pool().free_all_blocks()
+    # lessons of two engines at once size their pools (num_kv_tokens): under a GPU fraction the second finds it taken
     lessons["int8 weights (quantization='int8', W8A16) against fp16"] = "; ".join([
         quantization_lesson("gpt2", path, copy_gbs, [("single stream", one, 256), ("offline", prompts, lens)], repeats,
-                            device="cuda", gpu_memory_utilization=0.2),
+                            device="cuda", num_kv_tokens=262_144),
         quantization_lesson("gpt2-xl", "random:gpt2-xl", copy_gbs, [("single stream", one, 128)], repeats,
-                            device="cuda", gpu_memory_utilization=0.2)])
+                            device="cuda", num_kv_tokens=4096)])
     lessons["tensor parallelism (tensor_parallel_size, one process a GPU, NCCL in the graphs)"] = \
-        tensor_parallel_lesson([(m, *w) for m in ("random:gpt2-xl", "random:gpt2") for w in (
-            ("single stream", one, 128), ("offline", prompts, lens))], repeats, device="cuda",
-            gpu_memory_utilization=0.3)
+        tensor_parallel_lesson(("random:gpt2-xl", "random:gpt2"), [("single stream", one, 128), workloads[1]],
+                               repeats, device="cuda", num_kv_tokens=65_536)
     return rows, lessons
 
 
