@@ -118,7 +118,7 @@ def speculation_lesson(points, repeats, **engine):
     for label, model, spec, prompts, max_tokens, kv_tokens in points:
         llms = [LLM(model, speculative_config=s, num_kv_tokens=kv_tokens, **engine) for s in (spec, None)]
         timing = engines_against(*llms, [(label, prompts, max_tokens)], repeats)
-        s = llms[0].speculator
+        s = llms[0].proposer
         tokens = repeats * len(prompts) * (4 + max_tokens)  # each sequence's, time_generate's 4 to warm up included
         a, k, made = s.accepted / max(s.proposed, 1), spec["num_speculative_tokens"], tokens / (tokens - s.accepted)
         out.append(f"{timing} tok/s, acceptance {a:.0%}, {made:.2f} tokens a target step (k = {k} kept at {a:.0%}: "

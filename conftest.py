@@ -18,6 +18,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # before numpy and torch start their 
     for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ.setdefault(var, "1")
 
+import contextlib
 import importlib.resources
 import json
 import math
@@ -27,6 +28,8 @@ import socket
 import subprocess
 import sys
 import threading
+import traceback
+import types
 from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -35,7 +38,9 @@ import numpy as np
 import pytest
 import torch
 
-from nanoinfer import LLM, Batch, SamplingParams
+import nanoinfer as ni
+import speculation
+from nanoinfer import LLM, Batch, NumpyBackend, SamplingParams
 from scheduler import Sequence
 
 
@@ -252,6 +257,38 @@ def finish_by_steps(llm):
     raise AssertionError("10,000 steps and requests still unfinished: the engine is stuck")
 
 
+def forward(llm, batch):
+    """llm.model.forward on one Batch, as float64 host logits."""
+    return np.asarray(llm.backend.tohost(llm.model.forward(batch, llm.kv)), dtype=np.float64)
+
+
+class Driver:
+    """Runs the model on flat batches built by hand from paged_kv's block tables: no scheduler involved."""
+
+    def __init__(self, llm):
+        self.llm, self.computed = llm, {}
+
+    def step(self, work):
+        """work: [(seq_id, new token ids)], all in one flat batch. Returns the logits of every new token, per seq."""
+        kv, ids, pos, slots, cu, ctx = self.llm.kv, [], [], [], [0], []
+        for sid, toks in work:
+            start = self.computed.get(sid, 0)
+            end = self.computed[sid] = start + len(toks)
+            kv.grow(sid, end)
+            table, bs = kv.block_tables[sid], kv.block_size
+            ids += toks
+            pos += range(start, end)
+            slots += [table[j // bs] * bs + j % bs for j in range(start, end)]  # the slot of token j, by definition
+            cu.append(cu[-1] + len(toks))
+            ctx.append(end)
+        i32 = lambda a: np.asarray(a, dtype=np.int32)
+        batch = ni.Batch(input_ids=i32(ids), positions=i32(pos), slot_mapping=i32(slots), cu_seqlens_q=i32(cu),
+                         context_lens=i32(ctx), block_tables=kv.block_table_array([sid for sid, _ in work]),
+                         logits_idx=np.arange(len(ids), dtype=np.int32))
+        logits = forward(self.llm, batch)
+        return [logits[cu[i]:cu[i + 1]] for i in range(len(work))]
+
+
 def check_kv(kv):
     """free + used == total; a block is free or in tables, never both; its ref count is how many tables hold it (a
     prompt's samples share blocks), 0 when free. The prefix cache: hash -> block and back agree, and a block that a
@@ -302,6 +339,11 @@ def solo_prompt_logprobs(ckpt, dev, prompt):
 # -----------------------------------------------------------------------------
 # inputs that tests of two layers share
 
+def chi2_critical(df, z=4.75):
+    """The chi-square statistic that df degrees of freedom exceed with probability ~1e-6 (Wilson-Hilferty)."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
 LOGIT_BIAS = {5: 2.5, 17: -100.0, 299: 1.5, 40000: 100.0}  # penalty_case's second row: some tokens seen, some not
 
 
@@ -330,7 +372,7 @@ def heads(qkv, j, H):
     return qkv[:, j * C:(j + 1) * C].reshape(len(qkv), H, -1)
 
 
-def make_batch(seqs, dt, rng, H=12, D=64, bs=16):
+def attention_case(seqs, dt, rng, H=12, D=64, bs=16):
     """seqs: [(n_q, context_len)] -> (Batch, qkv (T, 3*H*D), K cache, V cache), the arrays float64 holding
     dt-rounded values drawn from rng (the calling file's numpy Generator, whose seed its failure messages give). The
     paged cache is NaN except the slots the sequences own, and NaN in the slots of this step's tokens too (attention
@@ -419,3 +461,131 @@ def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# -----------------------------------------------------------------------------
+# faults injected into a step, and what must hold after (test_reliability.py, and the levers' own files)
+
+class Fault(Exception):
+    """An error injected into a step."""
+
+
+def inject(monkeypatch, owner, name, error, at, when=lambda: True):
+    """Make owner.name raise `error` once, on its at-th call while when() holds; returns [such calls so far]."""
+    original, calls = getattr(owner, name), [0]
+
+    def faulty(*args, **kw):
+        calls[0] += bool(when())
+        if calls[0] == at and when():
+            raise error
+        return original(*args, **kw)
+    monkeypatch.setattr(owner, name, faulty)
+    return calls
+
+
+FAULT_PROMPTS = [random_ids(20, 1), random_ids(5, 2) * 3, random_ids(8, 1) + random_ids(9, 3)]  # the third opens
+# as the first: two blocks from the prefix cache; the second repeats itself, for speculation's n-gram drafts
+FAULT_PARAMS = [greedy(24), SamplingParams(n=2, seed=5, max_tokens=12, ignore_eos=True),  # samples forked
+                greedy(8, logprobs=2)]  # logprobs: an eager decode on the GPU too
+FAULT_SIDE = (random_ids(7, 4), greedy(10))  # a request of add_request's, in the same batches
+
+def check_undone(tiny, dev, llm, error, arm, at, monkeypatch, point):
+    """Run FAULT_PROMPTS (and FAULT_SIDE, added first) with the fault `error` that arm() injects at the at-th call it
+    counts, then check the outcome."""
+    want = [solo(tiny, dev, p, q) for p, q in zip(FAULT_PROMPTS, FAULT_PARAMS)]
+    want_side = solo(tiny, dev, *FAULT_SIDE)
+    side = llm.add_request(*FAULT_SIDE)
+    calls = arm()
+    outs = raised = None
+    try:
+        outs = llm.generate(FAULT_PROMPTS, FAULT_PARAMS)
+    except (Fault, KeyboardInterrupt) as e:
+        raised = e
+    assert calls[0] >= at, f"the step never reached {point} {at} times"
+    monkeypatch.undo()
+    if isinstance(error, KeyboardInterrupt):
+        assert raised is error
+    elif raised:  # only an error while scheduling, which no request can be blamed for, goes on to the caller
+        assert point == "schedule" or "schedule" in [f.name for f in traceback.extract_tb(raised.__traceback__)]
+    side_out = finish_by_steps(llm)[side]
+    if raised:  # the stream's own requests were aborted; the side request waited intact
+        assert side_out.outputs[0].token_ids == want_side and side_out.outputs[0].finish_reason == "length"
+    else:
+        failed = [o for o in outs + [side_out] if any(c.finish_reason == "error" for c in o.outputs)]
+        assert failed and all("Fault: injected" in o.error for o in failed)
+        for o, w in zip(outs + [side_out], want + [want_side]):
+            for c, w_c in zip(o.outputs, w if len(o.outputs) > 1 else [w]):
+                assert c.finish_reason == "error" or (c.token_ids == w_c and c.finish_reason == "length")
+    assert_idle(llm)
+    assert [tokens(o) for o in llm.generate(FAULT_PROMPTS, FAULT_PARAMS)] == want
+    assert_idle(llm)
+
+
+# -----------------------------------------------------------------------------
+# the GPU emulated, for the CUDA-graph runner's host logic in CI: CuPy's arrays are numpy arrays, a captured graph is
+# its step function called again at each replay, and the graph helpers' kernels are their numpy twins
+
+class DeviceArray(np.ndarray):
+    """A CuPy array's host side: set (copy in) and get (copy out)."""
+    def set(self, a, stream=None):
+        self[...] = a
+
+    def get(self, stream=None):
+        return np.array(self)
+
+
+def device(a):
+    return np.asarray(a).view(DeviceArray)
+
+
+class Nothing:  # a stream, an event, a device, a memory pool: ordering, waiting and pools are nothing on one thread
+    malloc = None
+
+    def __init__(self, *args, **kw):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+    synchronize = record = __init__
+
+
+FAKE_CUPY = types.SimpleNamespace(
+    zeros=lambda *a, **k: device(np.zeros(*a, **k)), zeros_like=lambda *a, **k: device(np.zeros_like(*a, **k)),
+    arange=lambda *a, **k: device(np.arange(*a, **k)), asarray=lambda a, dtype=None: device(np.array(a, dtype)),
+    cuda=types.SimpleNamespace(Stream=Nothing, Event=Nothing, Device=Nothing, MemoryPool=Nothing,
+                               using_allocator=lambda malloc: contextlib.nullcontext()))
+
+
+class EmulatedGPU(NumpyBackend):
+    """The numpy op set under the CUDA backend's name, with what the graph runner asks of it besides."""
+    name, tile_min_q = "cuda", None  # fp32's attention plan: every query a row
+
+    def sample_device(self, logits, *sampling):
+        return device(self.sample(logits, *map(np.asarray, sampling)).astype(np.int32))
+
+    def capture(self, stream, step):
+        return types.SimpleNamespace(launch=lambda stream: step(), upload=lambda stream: None)
+
+    def launch(self, name, grid, block, args):
+        twin = {"decode_advance": ni.decode_advance, "ngram_propose": speculation.ngram_propose,
+                "spec_accept": speculation.spec_accept}[name]
+        twin(*[a if isinstance(a, np.ndarray) and a.ndim else int(a) for a in args])
+
+    def cache_write(self, k, v, k_cache, v_cache, slot_mapping):  # padding (slot -1) writes nothing, as the kernel
+        keep = np.asarray(slot_mapping) >= 0
+        super().cache_write(k[keep], v[keep], k_cache, v_cache, np.asarray(slot_mapping)[keep])
+
+
+@pytest.fixture
+def emulated_gpu(monkeypatch):
+    """device="cuda" makes an EmulatedGPU; graph_runner gets the fake CuPy; solo runs are its own (all undone after
+    the test)."""
+    import graph_runner
+    monkeypatch.setattr(graph_runner, "cp", FAKE_CUPY)
+    monkeypatch.setattr(sys.modules[__name__], "_solo_cache", {})
+    make = ni.make_backend
+    monkeypatch.setattr(ni, "make_backend", lambda d, *args: EmulatedGPU() if d == "cuda" else make(d, *args))

@@ -17,7 +17,10 @@ from pathlib import Path
 
 import numpy as np
 
-cp = None  # cupy, imported when a CudaBackend is made (this file imports without it: plans are plain Python)
+try:
+    import cupy as cp  # the GPU's arrays (this file imports without CuPy: its plans are plain Python, tested on the CPU)
+except ImportError:
+    cp = None
 
 
 def cdiv(a, b):
@@ -222,25 +225,43 @@ def prefill_splits(blocks, num_sms):
     return max(1, min(cdiv(2 * num_sms, blocks), 8))
 
 
-def pack_batch(batch, min_q):
-    """The batch's int32 arrays and attention plan (plan_attention) in one host buffer, each at a 16-byte step: the
-    buffer, the layout {field: (start, shape)} device_batch_of reads it by, and the longest attention row's keys."""
+def layout(fields):
+    """Where each of `fields`, {name: (shape, dtype)}, lies in one int32 buffer: one after another, each at a 16-byte
+    step, so that one copy moves them all. ({name: (start, shape, dtype)}, the buffer's length in int32s)."""
+    where, start = {}, 0
+    for name, (shape, dtype) in fields.items():
+        where[name] = (start, tuple(shape), np.dtype(dtype))
+        start += cdiv(math.prod(shape) * np.dtype(dtype).itemsize, 16) * 4
+    return where, start
+
+
+def views(buffer, where):
+    """The named arrays of an int32 buffer (numpy or CuPy) laid out by layout()."""
+    return {name: buffer[a:a + math.prod(shape) * dtype.itemsize // 4].view(dtype).reshape(shape)
+            for name, (a, shape, dtype) in where.items()}
+
+
+def batch_fields(batch, min_q):
+    """The int32 arrays of a batch that the ops read, its attention plan (plan_attention) with them."""
     fields = {f: getattr(batch, f) for f in ("input_ids", "positions", "slot_mapping", "cu_seqlens_q",
                                              "context_lens", "block_tables", "logits_idx")}
     fields.update(plan_attention(batch.cu_seqlens_q, batch.context_lens, min_q))
-    fields = {f: np.asarray(a, np.int32) for f, a in fields.items() if a is not None}
-    starts = np.cumsum([0] + [cdiv(a.size, 4) * 4 for a in fields.values()])  # in int32s
-    host = np.zeros(starts[-1], np.int32)
-    for a, start in zip(fields.values(), starts):
-        host[start:start + a.size] = a.ravel()
-    layout = {f: (start, a.shape) for (f, a), start in zip(fields.items(), starts)}
-    return host, layout, int(fields["row_len"].max(initial=0))
+    return {f: np.asarray(a, np.int32) for f, a in fields.items() if a is not None}
 
 
-def device_batch_of(dev, layout, max_row_len):
+def pack_batch(batch, min_q):
+    """batch_fields in one host buffer (layout()): the buffer, its layout, and the longest attention row's keys."""
+    fields = batch_fields(batch, min_q)
+    where, size = layout({f: (a.shape, np.int32) for f, a in fields.items()})
+    host = np.zeros(size, np.int32)
+    for f, view in views(host, where).items():
+        view[...] = fields[f]
+    return host, where, int(fields["row_len"].max(initial=0))
+
+
+def device_batch_of(dev, where, max_row_len):
     """The device batch whose arrays are views of one device buffer laid out as pack_batch says."""
-    views = {f: dev[start:start + math.prod(shape)].reshape(shape) for f, (start, shape) in layout.items()}
-    return device_batch(**{"logits_idx": None, **views}, max_row_len=max_row_len)
+    return device_batch(**{"logits_idx": None, **views(dev, where)}, max_row_len=max_row_len)
 
 
 def device_batch(**fields):
@@ -254,8 +275,6 @@ class CudaBackend:
     name = "cuda"
 
     def __init__(self, dtype=np.float16):
-        global cp
-        import cupy as cp
         self.dtype = np.dtype(dtype)
         if self.dtype not in (np.float16, np.float32):
             raise ValueError(f"CudaBackend: dtype must be float16 or float32, got {self.dtype}")

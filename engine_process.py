@@ -76,8 +76,8 @@ def engine_main(engine_args, conns):
         s = llm.scheduler
         stats = dict(free=llm.kv.num_free_blocks(), total=llm.kv.num_blocks, running=len(s.running),
                      waiting=len(s.waiting), prefix_queries=llm.kv.queries, prefix_hits=llm.kv.hits,
-                     drafted=llm.speculator and llm.speculator.proposed or 0,
-                     accepted=llm.speculator and llm.speculator.accepted or 0, finished=dict(finished))
+                     drafted=llm.proposer and llm.proposer.proposed or 0,
+                     accepted=llm.proposer and llm.proposer.accepted or 0, finished=dict(finished))
         for server, conn in list(live.items()):
             try:
                 conn.send(("events", [(k, *e) for (s, k), *e in events if s == server], stats))

@@ -7,7 +7,6 @@ sampling_params.py holds what a request asks for. On a GPU, cuda_backend.py supp
 (kernels.cu) and a runner replaying decode steps from CUDA graphs: every speed trick.
 """
 import contextlib
-import functools
 import itertools
 import math
 import signal
@@ -15,6 +14,7 @@ import sys
 import threading
 import time
 import traceback
+import types
 from collections import deque, namedtuple
 from dataclasses import dataclass, replace
 
@@ -23,11 +23,9 @@ import numpy as np
 import parallel
 from checkpoint import Int8Weight, Tokenizer, load_config, load_weights, quantize_weights, resolve_model
 from paged_kv import PagedKVCache
-from sampling_params import (CompletionOutput, Logprob, Penalties, RequestOutput, SamplingParams, as_lists,  # noqa
-                             add_prompt_logprobs, check_engine_arguments, logprobs_of, penalties, refuse_request,
-                             sample_seed, token_indices)  # (API)
+from sampling_params import (CompletionOutput, EngineConfig, Logprob, Penalties, RequestOutput,  # noqa (the API)
+                             SamplingParams, as_lists, logprobs_of, penalties, refuse_request, sample_seed)
 from scheduler import Request, Scheduler, Sequence
-from speculation import DraftModelProposer, NgramProposer, count_drafts, draft_row
 
 # -----------------------------------------------------------------------------
 # the numpy backend: the readable definition of every op, the reference in tests, and a CPU engine
@@ -191,24 +189,48 @@ class NumpyBackend:
                          for r in range(len(logits))], dtype=np.int64)
 
 
-def make_backend(device, dtype):
-    """The op set to run on: numpy (fp32), or cuda_backend's kernels (fp16 by default) on a Hopper GPU."""
-    if device not in ("auto", "cpu", "cuda"):
-        raise ValueError(f"device={device!r}: use 'auto', 'cpu' or 'cuda'")
+def make_backend(device, dtype, fused=True, dependent_launches=True, batch_invariant=False):
+    """The op set to run on, with the lessons' switches (LLM's: EngineConfig): numpy (fp32), or cuda_backend's kernels
+    (fp16 by default) on a Hopper GPU."""
+    backend = None
     if device != "cpu":
         import cuda_backend
         why = cuda_backend.find_gpu()  # None: a Hopper GPU is there
         if why is None:
             backend = cuda_backend.CudaBackend(np.dtype(dtype or np.float16))
             log(backend.loaded)
-            return backend
-        if device == "cuda":
+        elif device == "cuda":
             raise RuntimeError(f"device='cuda' needs CuPy and an NVIDIA Hopper GPU ({why}): "
                                "pip install cupy-cuda13x on an H100 or H200, or use device='cpu'")
-        log(f"no usable GPU ({why}); running on the CPU with numpy")
-    if dtype is not None and np.dtype(dtype) != np.float32:
-        raise ValueError(f"dtype={np.dtype(dtype).name} on the CPU: numpy has no fast fp16 matmul; use float32")
-    return NumpyBackend(np.float32)
+        else:
+            log(f"no usable GPU ({why}); running on the CPU with numpy")
+    if backend is None:
+        if dtype is not None and np.dtype(dtype) != np.float32:
+            raise ValueError(f"dtype={np.dtype(dtype).name} on the CPU: numpy has no fast fp16 matmul; use float32")
+        backend = NumpyBackend(np.float32)
+    backend.fused, backend.dependent_launches = fused, dependent_launches
+    backend.batch_invariant = batch_invariant  # every reduction row by row, in a fixed order
+    return backend
+
+
+def decode_advance(tokens, input_ids, positions, context_lens, slot_mapping, token_index, remaining, block_tables,
+                   max_blocks, block_size, ring, ring_len, ring_row, B):
+    """kernels.cu's decode_advance, the last kernel of a CUDA graph's decode step (graph_runner.DecodeGraph): each
+    row's sampled token into the ring of the run's tokens; a live row moves on (its token becomes its input, its
+    position, context and sampling counter step, its slot comes from its block table) or, after its last allowed
+    step, becomes padding (slot -1). In place, on the graph's input arrays."""
+    row = int(ring_row[0])
+    ring_row[0] = row + 1
+    ring[row % ring_len, :B] = tokens[:B]
+    live = np.flatnonzero(slot_mapping[:B] >= 0)
+    remaining[live] -= 1
+    slot_mapping[live[remaining[live] == 0]] = -1
+    go = live[remaining[live] > 0]
+    pos = positions[go] + 1
+    input_ids[go], positions[go], context_lens[go], token_index[go] = tokens[go], pos, pos + 1, token_index[go] + 1
+    blk, tables = pos // block_size, block_tables.reshape(B, max_blocks)
+    slot_mapping[go] = np.where(blk < max_blocks, tables[go, np.minimum(blk, max_blocks - 1)] * block_size +
+                                pos % block_size, -1)
 
 # -----------------------------------------------------------------------------
 # GPT-2 over one flat batch of tokens
@@ -223,7 +245,20 @@ class Batch:
     cu_seqlens_q: np.ndarray  # (S+1,) int32, sequence s owns rows cu_seqlens_q[s]:cu_seqlens_q[s+1]
     context_lens: np.ndarray  # (S,) int32, tokens in each sequence's cache after this step
     block_tables: np.ndarray  # (S, max_blocks) int32
-    logits_idx: np.ndarray  # (R,) int32, rows whose next-token logits are wanted (None: every row)
+    logits_idx: np.ndarray  # (R + P,) int32, rows whose logits are wanted: those that sample, then the prompt's P
+    seqs: list = ()  # (S,) the sequences (host only)
+    num_sampled: np.ndarray = None  # (S,) rows each samples at: its last token and each token it computes after it
+    num_scoring: np.ndarray = None  # (S,) rows whose logits score its prompt's next tokens (prompt log-probs)
+
+
+@dataclass
+class Sampled:
+    """What a sequence gets back from a step: its new tokens, in order (one from a plain decode step; several from a
+    CUDA graph run of many steps, or from guesses kept, speculation.py), and for log-probs the logits of each and
+    those scoring its next prompt tokens."""
+    token_ids: list
+    logits: np.ndarray = None  # (len(token_ids), V) float32 on the host, when it wants log-probs
+    prompt_logits: np.ndarray = None  # (rows, V): row i scores its i-th prompt token not yet scored
 
 
 class GPT:
@@ -269,90 +304,98 @@ class GPT:
 # -----------------------------------------------------------------------------
 # the engine: schedule -> batch -> run -> postprocess
 
-# the sampler's parameters, one per row that samples; token_index: how many tokens the sequence has sampled before
-SamplingArrays = namedtuple("SamplingArrays", "temperature top_k top_p seed token_index min_p")
-
-
-def sampling_arrays(seqs):
-    params = [s.params for s in seqs]
-    return SamplingArrays(np.array([p.temperature for p in params], np.float32),
-                          np.array([min(max(p.top_k, 0), 2 ** 31 - 1) for p in params], np.int32),  # k > V: off
-                          np.array([p.top_p for p in params], np.float32),
-                          np.array([s.seed for s in seqs], np.uint64),
-                          np.array(token_indices(seqs), np.int32),
-                          np.array([p.min_p for p in params], np.float32))
-
-
 def make_batch(scheduled, kv):
-    """Flatten this step's work, [(sequence, tokens to compute now)], into one Batch; list the sequences whose last
-    token it holds (they sample, a row each, a drafting one a row a draft token more), and [(sequence, positions)]
-    whose logits give prompt log-probs, after the samplers'. Python loops over sequences, numpy over tokens."""
+    """Flatten this step's work, [(sequence, tokens to compute now)], into one Batch. A sequence samples at its last
+    token, and at each token it computes after it (a draft, speculation.py); while a chunk of its prompt ends before
+    that, nowhere. Rows that score prompt tokens (prompt log-probs) come after every sampled row. Python loops over
+    sequences, numpy over tokens."""
     seqs = [seq for seq, _ in scheduled]
-    counts = np.array([n for _, n in scheduled], np.int32)
-    starts = np.array([seq.num_computed for seq in seqs], np.int32)
+    counts = np.array([n for _, n in scheduled], np.int32)  # (S,)
+    starts = np.array([seq.num_computed for seq in seqs], np.int32)  # (S,)
+    lasts = np.array([len(seq.token_ids) - 1 for seq in seqs], np.int32)  # (S,) the position of each one's last token
     cu_seqlens_q = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)  # (S+1,)
     row = np.repeat(np.arange(len(seqs)), counts)  # (T,) the sequence of each token
     positions = (np.arange(cu_seqlens_q[-1]) - cu_seqlens_q[row] + starts[row]).astype(np.int32)  # (T,)
     block_tables = kv.block_table_array([seq.seq_id for seq in seqs])  # (S, max_blocks)
-    samples = starts + counts == np.array([len(seq.token_ids) + len(seq.draft) for seq in seqs])  # (and its draft)
-    input_ids = np.fromiter(itertools.chain.from_iterable(s.token_ids[a:a + n] + s.draft[:a + n - len(s.token_ids)]
-                                                          for s, a, n in zip(seqs, starts.tolist(), counts.tolist())),
-                            np.int32, len(row))
-    spans = [(i, span) for i, span in ((i, seq.prompt_logprob_span(n)) for i, (seq, n) in enumerate(scheduled)) if span]
-    sampling = [i for i in range(len(seqs)) if samples[i]]  # each samples at its last token (and its draft's)
-    logits_idx = np.concatenate([np.zeros(0, int)] + [  # the rows that sample, then the prompt's
-        np.arange(cu_seqlens_q[i + 1] - 1 - len(seqs[i].draft), cu_seqlens_q[i + 1]) for i in sampling] +
-        [cu_seqlens_q[i] - starts[i] + np.arange(span.start, span.stop) for i, span in spans])
+    input_ids = np.fromiter(itertools.chain.from_iterable(seq.tokens_to_compute(n) for seq, n in scheduled), np.int32,
+                            len(row))  # (T,)
+    num_sampled = np.maximum(starts + counts - lasts, 0)  # (S,)
+    spans = [seq.prompt_logprob_span(n) for seq, n in scheduled]  # positions whose logits score a prompt token
+    logits_idx = np.concatenate([np.zeros(0, np.int32)] + [
+        np.arange(cu_seqlens_q[i + 1] - n, cu_seqlens_q[i + 1]) for i, n in enumerate(num_sampled) if n] + [
+        cu_seqlens_q[i] - starts[i] + np.arange(span.start, span.stop) for i, span in enumerate(spans) if span])
     return Batch(input_ids, positions, kv.slot_mapping(block_tables, row, positions), cu_seqlens_q, starts + counts,
-                 block_tables, logits_idx.astype(np.int32)), [seqs[i] for i in sampling for _ in seqs[i].draft + [0]], \
-        [(seqs[i], span) for i, span in spans]
+                 block_tables, logits_idx.astype(np.int32), seqs, num_sampled, np.array([len(s) for s in spans]))
+
+
+def sampled_rows(batch):
+    """[(sequence, j)] for each row that samples, in order: it samples the token j places after the sequence's next."""
+    return [(seq, j) for seq, n in zip(batch.seqs, batch.num_sampled.tolist()) for j in range(n)]
+
+
+# the sampler's parameters, one per row that samples; token_index: the index in its output of the token it samples
+SamplingArrays = namedtuple("SamplingArrays", "temperature top_k top_p seed token_index min_p")
+
+
+def sampling_arrays(rows):
+    params = [s.params for s, _ in rows]
+    return SamplingArrays(np.array([p.temperature for p in params], np.float32),
+                          np.array([min(max(p.top_k, 0), 2 ** 31 - 1) for p in params], np.int32),  # k > V: off
+                          np.array([p.top_p for p in params], np.float32),
+                          np.array([s.seed for s, _ in rows], np.uint64),
+                          np.array([s.num_output + j for s, j in rows], np.int32),
+                          np.array([p.min_p for p in params], np.float32))
+
+
+def per_sequence(batch, tokens, logits=None):
+    """{sequence: Sampled} from the (R,) tokens of the rows that sample (in order) and, when some sequence wants
+    log-probs, the host logits of those rows and then of the rows that score prompt tokens."""
+    out, r, p = {}, 0, int(batch.num_sampled.sum())
+    for seq, n, m in zip(batch.seqs, batch.num_sampled.tolist(), batch.num_scoring.tolist()):
+        if n or m:
+            own = logits is not None and seq.logprobs is not None
+            out[seq] = Sampled([int(t) for t in tokens[r:r + n]], logits[r:r + n] if own else None,
+                               logits[p:p + m] if m else None)
+        r, p = r + n, p + m
+    return out
 
 
 class ModelRunner:
     """Runs a step's batch: the model's forward over it, then the sampler on the rows that sample. On CUDA, decode
-    batches replay CUDA graphs instead (graph_runner.GraphRunner), each recording decode_step, which mirrors eager():
-    the graphs are captured here, at start-up, one per batch size, and each graph run is launched while the host still
-    reads the run before it, so the tokens of a decode step may come from a run launched a step earlier."""
-    def __init__(self, model, kv, cuda_graphs=True, num_scheduler_steps=16, max_num_seqs=256, verify_tokens=0,
-                 ngram=None):
-        self.model, self.kv, self.graphs, self.admission_group = model, kv, None, 1
-        if cuda_graphs and model.backend.name == "cuda":
+    batches replay CUDA graphs instead (graph_runner.GraphRunner), each recording decode_step, which mirrors eager().
+    Two effects come later than they read: the graphs are captured here, at start-up; and a graph run of decode steps
+    is launched before the host reads the run before it (so a step's tokens may come from a run launched a step
+    earlier; while it runs, the scheduler lets no request in: LLM._step)."""
+    def __init__(self, model, kv, engine, scheduler=None, proposer=None):
+        self.model, self.kv, self.graphs = model, kv, None
+        if engine.cuda_graphs and model.backend.name == "cuda":
             from graph_runner import GraphRunner
             t0 = time.perf_counter()
-            self.graphs = GraphRunner(self.decode_step, model.backend, kv, model.config.n_ctx, max_num_seqs,
-                                      num_scheduler_steps, verify_tokens, ngram)
-            self.admission_group = self.graphs.admission_group  # admissions end graph runs: let requests in by groups
-            b = self.graphs.buckets
-            log(f"captured {len(b) + len(self.graphs.prefills) + len(self.graphs.verify)} CUDA graphs (decode batches "
-                f"of {b[0]} to {b[-1]} rows, lone prefills of up to {max(self.graphs.prefills, default=0)} tokens" +
-                (f", as many of {'n-gram steps' if ngram else 'verification chunks'} of {verify_tokens}"
-                 if verify_tokens else "") +
-                f") in {time.perf_counter() - t0:.1f} s")
+            self.graphs = GraphRunner(self.decode_step, model.backend, kv, model.config.n_ctx, engine, scheduler,
+                                      proposer)
+            log(f"captured {self.graphs.description} in {time.perf_counter() - t0:.1f} s")
 
-    def run(self, batch, seqs, launch_next=True, speculate=False):
-        """(steps, R) sampled tokens of the rows that sample (seqs); (R, V) host logits if any wants logprobs; and, of
-        a graph run of n-gram speculation, the drafts it verified (GraphRunner.run), else None. launch_next: a graph
-        run may launch the next one before its tokens are read; speculate: decodes may run n-gram speculation."""
+    def run(self, batch):
+        """{sequence: Sampled} for each sequence that samples or scores prompt tokens."""
+        if not batch.seqs:
+            return {}
         if self.graphs is None:
-            return *self.eager(batch, seqs), None
-        if self.graphs.takes(batch, seqs):  # decode steps, and a lone prompt's prefill (not ~100 launches)
-            tokens, drafts = self.graphs.run(batch, seqs, sampling_arrays(seqs), launch_next, speculate)
-            return tokens, None, drafts
+            return self.eager(batch)
+        if self.graphs.takes(batch):  # decode steps, a lone prompt's prefill (not ~100 launches), drafts to verify
+            sampled = self.graphs.run(batch, sampling_arrays(sampled_rows(batch)))
+            return {seq: Sampled(tokens) for seq, tokens in sampled.items()}
         with self.graphs.eager():  # on the graphs' stream, after everything they launched
-            return *self.eager(batch, seqs), None
+            return self.eager(batch)
 
-    def eager(self, batch, seqs):
-        """The step as it reads: op by op, then the sampler: (1, R) tokens, and the logits for log-probs (the R rows
-        that sample, then the prompt log-probs' rows)."""
-        be, R = self.model.backend, len(seqs)
-        logits = self.model.forward(batch, self.kv)  # (R + prompt rows, V)
-        wants_logits = len(logits) > R or any(s.logprobs is not None for s in seqs)
+    def eager(self, batch):
+        """The step as it reads: op by op, then the sampler."""
+        be, rows = self.model.backend, sampled_rows(batch)
+        logits = self.model.forward(batch, self.kv)  # (R + P, V)
+        wants_logits = len(logits) > len(rows) or any(s.logprobs is not None for s, _ in rows)
         host_logits = be.tohost(logits) if wants_logits else None  # log-probabilities are the model's own
-        logits = logits[:R]
-        edits = penalties(seqs)
-        if edits is not None:
-            logits = be.penalize(logits, edits)
-        return be.sample(logits, *sampling_arrays(seqs))[None], host_logits  # (1, R) tokens
+        edits = penalties(rows)
+        logits = logits[:len(rows)] if edits is None else be.penalize(logits[:len(rows)], edits)
+        return per_sequence(batch, be.sample(logits, *sampling_arrays(rows)), host_logits)
 
     def decode_step(self, batch, sampling):
         """What each CUDA graph records: eager()'s forward and sampler for one decode step, on the GPU alone (batch and
@@ -367,104 +410,71 @@ class ModelRunner:
         if self.graphs is not None:
             self.graphs.wait()
 
-    def reset(self):  # forget a run launched ahead (a failed step's)
+    def step_failed(self, error):  # forget a run launched ahead by the step
         if self.graphs is not None:
-            self.graphs.reset()
-
-
-class DraftModel:
-    """The draft of vLLM's draft-model speculation ({"model": ..., "num_speculative_tokens": k}): a smaller GPT-2 of
-    the same vocabulary and at least the target's context, on the target's backend. Its K/V sit in the target's
-    blocks, in tensors of its own; step() runs it over sequence views (speculation.view) with a ModelRunner of its
-    own: on the GPU its one-token steps and lone chunks replay CUDA graphs, as the target's do."""
-    def __init__(self, spec, llm):
-        path = resolve_model(spec["model"])
-        self.config = c = load_config(path)
-        tokenizer = Tokenizer(path, c.vocab_size)
-        llm.backend.check_model(c)
-        if not tokenizer.same_vocabulary(llm.tokenizer) or c.n_ctx < llm.config.n_ctx:
-            raise ValueError(f"speculative_config={spec!r}: a draft model needs the target's vocabulary (ids meaning "
-                             f"the same bytes) and context ({llm.config.n_ctx}); {path} has " + (
-                                 f"a context of {c.n_ctx}" if c.n_ctx < llm.config.n_ctx else "another vocabulary"))
-        self.model = GPT(c, load_weights(path, c), llm.backend, tokenizer.n_vocab)
-
-    def attach(self, kv, cuda_graphs, max_num_seqs):
-        """Its K/V tensors in the target's blocks, and its runner (on the GPU, a graph run makes a view's draft tokens
-        after its first at once); its step function."""
-        c = self.config
-        self.kv = kv.with_tensors(self.model.backend, c.n_layer, c.n_head, c.head_dim)
-        self.runner = ModelRunner(self.model, self.kv, cuda_graphs, max_num_seqs=max_num_seqs)
-        return self.step
-
-    def step(self, views):
-        """(steps, R) tokens: each view's next tokens, sampled by the keyed race from the draft model's logits (one
-        step, or a graph run's decode steps, as many as the views' drafts still want)."""
-        batch, seqs, _ = make_batch([(v, len(v.token_ids) - v.num_computed) for v in views], self.kv)
-        return self.runner.run(batch, seqs, launch_next=False)[0]
+            self.graphs.forget()
 
 
 class LLM:
     """The engine. step() is the whole loop: the scheduler picks this step's tokens, they become one flat batch, the
     runner runs the model over it and samples, and the new tokens go to their sequences.
 
-    A step is all or nothing (see _step). One LLM may serve several threads and nested streams: every call that changes
-    the engine holds its lock (Exclusive), and each request's events go to the call that added it (its outbox)."""
-    def __init__(self, model, device="auto", dtype=None, block_size=16, max_num_seqs=256,
-                 max_num_batched_tokens=16384, num_kv_tokens=None, gpu_memory_utilization=0.9, seed=0,
-                 cuda_graphs=True, fused=True, num_scheduler_steps=16, dependent_launches=True, batch_invariant=False,
-                 enable_prefix_caching=True, quantization=None, speculative_config=None, tensor_parallel_size=1,
-                 distributed_executor_backend=None):
-        check_engine_arguments(args := {k: v for k, v in locals().items() if k != "self"})
+    A step is all or nothing (_all_or_nothing). One LLM may serve several threads and nested streams: every call that
+    changes the engine holds its lock (Exclusive), and each request's events go to the call that added it (its outbox).
+    Two levers plug in at seams named in __init__: tensor parallelism (parallel.py: behind the model and the runner)
+    and speculative decoding (speculation.py: a scheduler and a runner that know drafts)."""
+    def __init__(self, model, **engine_args):
+        """model: a GPT-2 name, a directory or random:<size> (checkpoint.py); engine_args: EngineConfig's settings
+        (sampling_params.py), vLLM's names, each checked before anything loads."""
+        self.engine_config = e = EngineConfig(**engine_args)
         self.model_dir = path = resolve_model(model)
         self.config = c = load_config(path)
         self.tokenizer = Tokenizer(path, c.vocab_size)
-        self.backend = make_backend(device, dtype)
+        self.backend = make_backend(e.device, e.dtype, e.fused, e.dependent_launches, e.batch_invariant)
         self.backend.check_model(c)
-        # ranks, each with its share of the heads (and of every matmul): parallel.py. "mp" runs this engine in a
-        # process a rank (rank 0 spawns them and relays its calls; GPUs' default); "uni" as threads (the CPU's)
-        tp, executor = tensor_parallel_size, parallel.check(tensor_parallel_size, c, self.backend,
-                                                            distributed_executor_backend)
-        self.ranks = rank = parallel.start(type(self), dict(args, model=path), tp, executor, self.backend)
-        # the lessons' switches: fusion, dependent launches; and outputs bitwise the same solo, batched, chunked or
-        # preempted (every reduction row by row, in a fixed order)
-        self.backend.fused, self.backend.dependent_launches, self.backend.batch_invariant = (
-            fused, dependent_launches, batch_invariant)
-        t0 = time.perf_counter()
-        weights = load_weights(path, c)
-        log(f"weights: {sum(w.size for w in weights.values()) / 1e6:,.0f}M parameters ({c.n_layer} layers, "
-            f"{c.n_embd} wide) from {path} in {time.perf_counter() - t0:.1f} s")
-        if quantization == "int8":  # weight-only int8 (W8A16), quantized here from the checkpoint's weights
-            weights = quantize_weights(weights, self.tokenizer.n_vocab)
-        if rank.size > 1:
-            weights = parallel.shard(weights, c, self.tokenizer.n_vocab, rank.rank, rank.size)
-        self.model = GPT(c, weights, self.backend, self.tokenizer.n_vocab, rank.comm) if rank.size == tp else None
-        spec = speculative_config
-        draft = DraftModel(spec, self) if isinstance(spec, dict) and "model" in spec else None  # else "ngram"
-        blocks = rank.fewest(PagedKVCache.pool_blocks(c, self.backend, num_kv_tokens, gpu_memory_utilization,
-                                                      max_num_seqs, block_size, draft and draft.config), self.backend)
-        self.kv = PagedKVCache(self.backend, c.n_layer, c.n_head // tp, c.head_dim, blocks, block_size,
-                               enable_prefix_caching)  # rank 0's heads: the others' K/V in their tensors, same blocks
-        if self.model is None:  # "uni": a GPT a rank over its shard of the weights, threads of this process
-            self.model = parallel.SimulatedRanks(functools.partial(GPT, c, backend=self.backend,
-                                                                   n_vocab=self.tokenizer.n_vocab),
-                                                 weights, c, self.tokenizer.n_vocab, tp, self.kv)
-        log(f"KV cache: {blocks * block_size:,} tokens ({self.kv.nbytes / 2 ** 30:.2f} GiB), {blocks} blocks of "
-            f"{block_size}; max_num_seqs={max_num_seqs} x n_ctx={c.n_ctx} is the most it can use")
-        self.speculator = None if spec is None else NgramProposer(spec, c.n_ctx) if not draft else \
-            DraftModelProposer(spec, c.n_ctx, draft.attach(self.kv, cuda_graphs, max_num_seqs), self.kv)
-        ngram = isinstance(self.speculator, NgramProposer) and (self.speculator.n_min, self.speculator.n_max)
-        self.runner = ModelRunner(self.model, self.kv, cuda_graphs, num_scheduler_steps, max_num_seqs,
-                                  self.speculator and self.speculator.k + 1, ngram)  # graphs of verification chunks
-        if ngram and self.runner.graphs:  # the GPU drafts for the decodes its graphs take (graph_runner.SpecGraph)
-            self.speculator.on_device = True
-        self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens, self.runner.admission_group,
-                                   self.speculator)
-        self._rng = np.random.default_rng(seed)  # seeds for requests that bring none
+        # tensor parallelism's seams (parallel.py): the ranks make the model (a shard each) and wrap the runner
+        self.ranks = parallel.start(type(self), dict(engine_args, model=path), e, c, self.backend)
+        self.model = self.ranks.model(GPT, c, self._load_weights(path, e.quantization), self.backend,
+                                      self.tokenizer.n_vocab)
+        self.proposer = None  # speculative decoding's (speculation.py), which may load a draft model
+        if e.speculative_config is not None:
+            from speculation import make_proposer
+            self.proposer = make_proposer(e.speculative_config, self)
+        self.kv = self._make_kv_cache(e)  # in the memory the weights leave
+        # speculation's seams: its scheduler gives drafts room as tokens to compute, its runner keeps what they got right
+        self.scheduler = Scheduler(self.kv, e.max_num_seqs, e.max_num_batched_tokens) if self.proposer is None else \
+            self.proposer.scheduler(self.kv, e)
+        self.runner = ModelRunner(self.model, self.kv, e, self.scheduler, self.proposer)
+        if self.proposer is not None:
+            self.runner = self.proposer.runner(self.runner)
+        self.runner = self.ranks.runner(self.runner)  # ("mp") rank 0's relays each step to the other ranks
+        self._rng = np.random.default_rng(e.seed)  # seeds for requests that bring none
         self._next_id = 0
         self._requests = {}  # request id -> Request, until its last event
         self._step_outbox = []  # the outbox of requests from add_request: step() returns its events
         self._exclusive = Exclusive()
         self._stepping, self._aborts_after_step = False, []
+
+    def _load_weights(self, path, quantization):
+        t0, c = time.perf_counter(), self.config
+        weights = load_weights(path, c)
+        log(f"weights: {sum(w.size for w in weights.values()) / 1e6:,.0f}M parameters ({c.n_layer} layers, "
+            f"{c.n_embd} wide) from {path} in {time.perf_counter() - t0:.1f} s")
+        if quantization == "int8":  # weight-only int8 (W8A16), quantized here from the checkpoint's weights
+            weights = quantize_weights(weights, self.tokenizer.n_vocab)
+        return weights
+
+    def _make_kv_cache(self, e):
+        """The KV pool: as many blocks as asked for or as fit (the fewest of any rank's), each rank with K/V of its
+        heads (in the same blocks), a draft model's K/V beside the target's."""
+        c, draft = self.config, self.proposer and self.proposer.draft_config
+        blocks = self.ranks.fewest(PagedKVCache.pool_blocks(c, self.backend, e.num_kv_tokens, e.gpu_memory_utilization,
+                                                            e.max_num_seqs, e.block_size, draft), self.backend)
+        kv = PagedKVCache(self.backend, c.n_layer, c.n_head // self.ranks.size, c.head_dim, blocks, e.block_size,
+                          e.enable_prefix_caching)
+        log(f"KV cache: {blocks * e.block_size:,} tokens ({kv.nbytes / 2 ** 30:.2f} GiB), {blocks} blocks of "
+            f"{e.block_size}; max_num_seqs={e.max_num_seqs} x n_ctx={c.n_ctx} is the most it can use")
+        return kv
 
     def add_request(self, prompt, params=None, outbox=None):
         """Queue a request; its events go to outbox.append (None: step() returns them). A bad one raises ValueError
@@ -521,54 +531,64 @@ class LLM:
             return events
 
     def _step(self):
-        """schedule -> batch -> run -> postprocess, all or nothing: if anything raises, _undo puts the sequences it
-        scheduled back as they were. After an interrupt (Ctrl-C) they wait in line and the interrupt goes on; after an
+        """schedule -> batch -> run -> postprocess, all or nothing (_all_or_nothing); then each event to its caller."""
+        with self._all_or_nothing() as step:
+            # no request comes in while the GPU computes the running sequences' next steps, launched ahead (by
+            # ModelRunner.run, a step earlier): it would end that run unread
+            scheduled = self.scheduler.schedule(admit=not self.runner.running_ahead())
+            step.saved = {seq: seq.checkpoint() for seq, _ in scheduled}
+            batch = make_batch(scheduled, self.kv)
+            step.events = self._postprocess(scheduled, self.runner.run(batch))
+        self._deliver(step.events)
+        self._abort_deferred()
+
+    def _postprocess(self, scheduled, sampled):
+        """The scheduled tokens' K/V are in the cache now; each sequence takes what it got back (_take), its full blocks
+        then findable (prefix caching). An event for each sequence that got tokens."""
+        for seq, n in scheduled:
+            seq.num_computed += n
+            if seq in sampled:
+                self._take(seq, sampled[seq])
+            self.kv.name_computed(seq.seq_id, seq.token_ids, seq.num_computed)  # (a finished one's: when freed)
+        return self._events([seq for seq, got in sampled.items() if got.token_ids])
+
+    def _take(self, seq, sampled):
+        """Hand seq the log-probs of its prompt tokens it scored, then its new tokens in order until one finishes it
+        (the rest dropped, its blocks freed), with their log-probs if it asked for them."""
+        for logits in [] if sampled.prompt_logits is None else sampled.prompt_logits:
+            seq.prompt_logprobs.append(logprobs_of(logits, seq.prompt_token_ids[len(seq.prompt_logprobs)],
+                                                   seq.params.prompt_logprobs, self.tokenizer))
+        if sampled.token_ids and seq.index == 0 and seq.num_output == 0:  # a request's first sample, at its first token
+            self._requests[seq.request_id].fork(self.kv, self.scheduler)
+        for i, token in enumerate(sampled.token_ids):
+            seq.num_computed = len(seq.token_ids)  # every token before the new one has its K/V: a later step of a run
+            if sampled.logits is not None:  # computed it, or it was a guess kept
+                seq.logprobs.append(logprobs_of(sampled.logits[i], token, seq.params.logprobs, self.tokenizer))
+            seq.append(token, self.config.n_ctx)
+            if seq.finish_reason:
+                self.scheduler.remove(seq)
+                return
+
+    @contextlib.contextmanager
+    def _all_or_nothing(self):
+        """A step, undone if anything in it raises: the runner forgets what it launched, and each sequence the step
+        scheduled goes back as it was, first in line, its blocks freed (as after a preemption: it is recomputed, so no
+        half-written KV is trusted). After an interrupt (Ctrl-C) they wait in line and the interrupt goes on; after an
         error they finish with it (it would come back), and the engine goes on serving every other request."""
-        saved = {}  # sequence -> its state before this step
+        step = types.SimpleNamespace(saved={}, events=[])  # sequence -> its state before the step; the step's events
         self._stepping = True
         try:
-            # no request comes in while the GPU runs decode steps launched ahead: it would end them unread
-            scheduled = self.scheduler.schedule(admit=not self.runner.running_ahead())
-            saved.update((seq, seq.checkpoint()) for seq, _ in scheduled)
-            self.ranks.relay("step")  # after the schedule, so that a lost rank ends the requests it would have run
-            events = []
-            if self.speculator:  # the drafts of the decodes given room for one (speculation.py)
-                self.speculator.fill([seq for seq, _ in scheduled])
-            if scheduled:
-                batch, seqs, prompt_rows = make_batch(scheduled, self.kv)  # the flat batch; who samples; prompt rows
-                # (steps, R) new tokens; (R, V) logits for logprobs. A graph run launches the next one before its
-                # tokens are read, unless a request waits to come in (the next step admits it, eagerly) or the next
-                # step may verify a draft (it would drop that run: a draft is made from the tokens the host has)
-                drafts_next = bool(self.speculator) and self.speculator.active(len(self.scheduler.running))
-                tokens, logits, drafts = self.runner.run(batch, seqs, not (self.scheduler.wants_admission() or
-                                                                           drafts_next), drafts_next)
-                for seq, n in scheduled:
-                    seq.num_computed += n  # their K/V are in the cache now
-                add_prompt_logprobs(prompt_rows, logits, len(seqs), self.tokenizer)
-                events = self._postprocess(seqs, tokens, logits, drafts)
-                for seq, _ in scheduled:  # their full blocks, findable now (those that finished: when freed)
-                    self.kv.name_computed(seq.seq_id, seq.token_ids, seq.num_computed)
-            self.ranks.check()  # a rank lost meanwhile: the step's results are not to be trusted (it is undone)
+            yield step
         except BaseException as e:
-            self.ranks.fail(e)  # the other ranks ran on, or wait for this one: the engine ends
-            self._undo(saved)
-            if not isinstance(e, Exception) or not saved:  # an interrupt, or an error no request can be blamed for
+            self.runner.step_failed(e)
+            for seq, state in reversed(step.saved.items()):
+                seq.restore(state)
+                self.scheduler.requeue(seq)
+            if not isinstance(e, Exception) or not step.saved:  # an interrupt, or an error no request can be blamed for
                 raise
-            events = self._fail(saved, e)
+            step.events = self._fail(step.saved, e)
         finally:
             self._stepping = False
-        self._deliver(events)
-        if self._aborts_after_step:
-            ids, self._aborts_after_step = self._aborts_after_step, []
-            self.abort_request(ids)
-
-    def _undo(self, saved):
-        """Put each sequence a failed step scheduled back as it was before the step, first in line, its blocks freed (as
-        after a preemption: it is recomputed, so no half-written KV is trusted), and forget runs launched ahead."""
-        self.runner.reset()
-        for seq, state in reversed(saved.items()):
-            seq.restore(state)
-            self.scheduler.requeue(seq)
 
     def _fail(self, saved, error):
         log(f"a step failed; its {len(saved)} sequence(s) end with finish_reason 'error':")
@@ -577,30 +597,11 @@ class LLM:
         return self._events([ended for seq in saved
                              for ended in self._requests[seq.request_id].finish("error", message, self.scheduler, seq)])
 
-    def _postprocess(self, seqs, tokens, logits, drafts=None):
-        """Hand each sequence its tokens until one finishes it (the rest dropped, blocks freed): an event each. drafts:
-        a speculating graph run's (its rows' tokens end at -1)."""
-        drafted = {}  # speculation.py's: a drafting sequence's output count before this step
-        for row, seq in enumerate(seqs):
-            if seq.index == 0 and seq.num_output == 0:  # a request's first sample, at its first token
-                self._requests[seq.request_id].fork(self.kv, self.scheduler)
-            j = draft_row(seqs, row, drafted, self.speculator) if self.speculator and drafts is None else 0
-            if j is None:  # a row of its sequence's draft after the first token sampled otherwise
-                continue
-            for i, token in enumerate(tokens[:, row]):
-                if token < 0:
-                    break
-                if drafts is not None:
-                    count_drafts(seq, drafts[i, row], self.speculator)
-                if i > 0 or j > 0:  # a later step of a run, or a kept draft token, computed the token before
-                    seq.num_computed += 1
-                if logits is not None and seq.logprobs is not None:
-                    seq.logprobs.append(logprobs_of(logits[row], int(token), seq.params.logprobs, self.tokenizer))
-                seq.append(int(token), self.config.n_ctx)
-                if seq.finish_reason:
-                    self.scheduler.remove(seq)
-                    break
-        return self._events(list(dict.fromkeys(seqs)))
+    def _abort_deferred(self):
+        """The aborts asked for during the step, now that it is over."""
+        if self._aborts_after_step:
+            ids, self._aborts_after_step = self._aborts_after_step, []
+            self.abort_request(ids)
 
     def _events(self, seqs):
         """(request id, sample index, new text, None) per sequence; a request's last one here carries its

@@ -197,7 +197,7 @@ class PagedKVCache:
     def block_table_array(self, seq_ids):
         """(S, max_blocks) int32: each sequence's block table padded with 0 (never read); a freed one: all zeros."""
         tables = [self.block_tables.get(s, ()) for s in seq_ids]
-        out = np.zeros((len(tables), max(1, max(len(t) for t in tables))), dtype=np.int32)
+        out = np.zeros((len(tables), max([1] + [len(t) for t in tables])), dtype=np.int32)
         for row, table in zip(out, tables):
             row[:len(table)] = table
         return out

@@ -29,7 +29,6 @@ from functools import reduce
 import numpy as np
 
 from checkpoint import Int8Weight
-from paged_kv import PagedKVCache
 
 
 def part(n, rank, size):
@@ -103,40 +102,26 @@ class ThreadComm(Collectives):
         return out
 
 
-def check(size, config, backend, executor):
-    """The executor to run the ranks with: as asked, or by default "mp" on GPUs (a process a GPU) and "uni" on the
-    CPU; ValueError for what cannot run."""
-    executor = executor or ("mp" if backend.name == "cuda" else "uni")
-    if executor not in ("uni", "mp"):
-        raise ValueError(f"distributed_executor_backend={executor!r}: 'uni' (ranks as threads of this process) or "
-                         "'mp' (a process a rank)")
-    if size > 1 and config.n_head % size:
-        raise ValueError(f"tensor_parallel_size={size} must divide the model's {config.n_head} heads")
-    if size > 1 and backend.name == "cuda" and (executor != "mp" or size > backend.num_gpus):
-        raise ValueError(f"tensor_parallel_size={size} on GPUs: one process a GPU (distributed_executor_backend='mp'), "
-                         f"and this machine has {backend.num_gpus}")
-    return executor
-
-
 class SimulatedRanks:
-    """tensor_parallel_size ranks in one process: make_model(rank's weights, comm) is each rank's model (a GPT), kv
-    the engine's KV cache, with rank 0's heads; the other ranks' heads get K/V tensors of their own in its blocks.
-    forward(batch, kv) runs the batch on every rank, each in a thread, and gives rank 0's logits, gathered over the
-    whole vocabulary. A rank that raises breaks the barriers, so no rank waits for it; its error is raised here."""
-    def __init__(self, make_model, weights, config, n_vocab, size, kv):
+    """tensor_parallel_size ranks in one process: make_model(rank's weights, comm) is each rank's model (a GPT).
+    forward(batch, kv) runs the batch on every rank, each in a thread, rank 0's heads' K/V in the engine's cache kv and
+    the other ranks' in tensors of their own in its blocks, and gives rank 0's logits, gathered over the whole
+    vocabulary. A rank that raises breaks the barriers, so no rank waits for it; its error is raised here."""
+    def __init__(self, make_model, weights, config, n_vocab, size):
         self.group = dict(slots=[None] * size, barrier=threading.Barrier(size))
         self.ranks = [make_model(shard(weights, config, n_vocab, r, size), comm=ThreadComm(self.group, r))
                       for r in range(size)]
-        self.config, self.backend = config, self.ranks[0].backend
-        self.rank_kv = [None] + [PagedKVCache(self.backend, config.n_layer, config.n_head // size, config.head_dim,
-                                              kv.num_blocks, kv.block_size, False) for _ in range(1, size)]
+        self.config, self.backend, self.rank_kv = config, self.ranks[0].backend, None
 
     def forward(self, batch, kv):
-        results, errors = [None] * len(self.ranks), []
+        c, results, errors = self.config, [None] * len(self.ranks), []
+        if self.rank_kv is None:
+            self.rank_kv = [kv] + [kv.with_tensors(self.backend, c.n_layer, c.n_head // len(self.ranks), c.head_dim)
+                                   for _ in self.ranks[1:]]
 
         def run(r):
             try:
-                results[r] = self.ranks[r].forward(batch, self.rank_kv[r] or kv)
+                results[r] = self.ranks[r].forward(batch, self.rank_kv[r])
             except BaseException as e:  # noqa: B902 (a rank's Ctrl-C too: the step must not wait for it)
                 errors.append(e)
                 self.group["barrier"].abort()
@@ -154,33 +139,40 @@ class SimulatedRanks:
 
 
 # -----------------------------------------------------------------------------
-# "mp": a process a rank, each running the whole engine (as on GPUs: one process a GPU)
+# the ranks of an engine: the model each runs, its KV pool, and (with processes) each step relayed
 
 THIS_PROCESS = None  # in a spawned rank: (rank, size, pipe to rank 0, NCCL id), set before it makes its LLM
 
 
-def start(llm_class, llm_args, size, executor, backend):
-    """This process's place among an LLM's ranks: Alone (one rank, or "uni": the ranks are SimulatedRanks), the
-    Leader (rank 0, which spawns the others: llm_class(**llm_args) each), or a Worker (a spawned rank)."""
-    if size == 1 or executor == "uni":
-        return Alone()
+def start(llm_class, llm_args, engine, config, backend):
+    """This process's place among an engine's engine.tensor_parallel_size ranks: Rank (one), Threads ("uni": every
+    rank in this process), the Leader (rank 0 of "mp", which spawns the others: llm_class(**llm_args) each) or a Worker
+    (a spawned rank). ValueError for what cannot run. distributed_executor_backend None: "mp" on GPUs, "uni" else."""
+    size, executor = engine.tensor_parallel_size, engine.distributed_executor_backend
+    executor = executor or ("mp" if backend.name == "cuda" else "uni")
+    if size > 1 and config.n_head % size:
+        raise ValueError(f"tensor_parallel_size={size} must divide the model's {config.n_head} heads")
+    if size > 1 and backend.name == "cuda" and (executor != "mp" or size > backend.num_gpus):
+        raise ValueError(f"tensor_parallel_size={size} on GPUs: one process a GPU (distributed_executor_backend='mp'), "
+                         f"and this machine has {backend.num_gpus}")
+    if size == 1:
+        return Rank()
+    if executor == "uni":
+        return Threads(size)
     if THIS_PROCESS is not None:
         return Worker(backend, *THIS_PROCESS)
     return Leader(llm_class, llm_args, size, backend)
 
 
-class Alone:
-    """A rank with no others to tell or wait for."""
+class Rank:
+    """One rank of `size`, the only one by default: its model is a GPT over its shard of the weights (all of them
+    alone), its KV pool as large as every rank's can be, its runner the engine's, and nothing to relay."""
     rank, size, comm = 0, 1, Single()
 
-    def relay(self, call, *args):
-        pass
-
-    def check(self):
-        pass
-
-    def fail(self, error):
-        pass
+    def model(self, gpt, config, weights, backend, n_vocab):
+        if self.size > 1:
+            weights = shard(weights, config, n_vocab, self.rank, self.size)
+        return gpt(config, weights, backend, n_vocab, self.comm)
 
     def fewest(self, n, backend):
         """The least of every rank's n (each sizes its KV pool from its own GPU's free memory)."""
@@ -188,22 +180,71 @@ class Alone:
             return n
         mine = backend.asarray(np.full((1, 1), n, np.float32), np.float32)  # (1, 1); fp16 would overflow
         fewest = int(backend.tohost(self.comm.all_gather(mine, self.size)).min())
-        self.check()  # a rank lost while the engines are made: the LLM is not made
+        self.raise_if_failed()  # a rank lost while the engines are made: the LLM is not made
         return fewest
 
+    def runner(self, runner):
+        return runner if self.size == 1 else RankRunner(runner, self)
 
-class Leader(Alone):
+    def relay(self, call, *args):
+        pass
+
+    def raise_if_failed(self):
+        pass
+
+    def fail(self, error):
+        pass
+
+
+class Threads(Rank):
+    """"uni": every rank in this process, the model SimulatedRanks (each rank a thread), so the engine sees one."""
+    def __init__(self, size):
+        self.size = size
+
+    def model(self, gpt, config, weights, backend, n_vocab):
+        return SimulatedRanks(lambda w, comm: gpt(config, w, backend, n_vocab, comm), weights, config, n_vocab,
+                              self.size)
+
+    def fewest(self, n, backend):
+        return n
+
+    def runner(self, runner):
+        return runner
+
+
+class RankRunner:
+    """A rank's runner ("mp"): rank 0 relays each step to the others before it runs its batch (every rank's engine,
+    in step, then makes the same batch), a rank lost meanwhile makes the results untrusted, and a failed step ends
+    the engine (NCCL cannot undo half a step, and a rank cannot tell whether the others wait for it)."""
+    def __init__(self, runner, ranks):
+        self.runner, self.ranks = runner, ranks
+
+    def run(self, batch):
+        self.ranks.relay("step")
+        out = self.runner.run(batch)
+        self.ranks.raise_if_failed()
+        return out
+
+    def step_failed(self, error):
+        self.runner.step_failed(error)
+        self.ranks.fail(error)
+
+    def running_ahead(self):
+        return self.runner.running_ahead()
+
+    def wait(self):
+        self.runner.wait()
+
+
+class Leader(Rank):
     """Rank 0 of the "mp" executor. Every rank runs the whole engine (as SGLang's schedulers do, one a rank): rank 0
     relays each call that changes it (a request added, with its seed resolved; an abort; a step; a prefix-cache
     reset) to the others, which make them in the same order. The same calls, a deterministic engine and logits
     gathered to every rank make the same batches, graphs, samples and blocks everywhere, with nothing mirrored.
 
-    A step that fails on one rank ends the engine (NCCL cannot undo half a step, and a rank cannot tell whether the
-    others wait for it in a collective): a worker that raises sends its error and exits; one that dies, or gives no
-    answer for `timeout` seconds, ends it too. Then this and every later step raise a RuntimeError naming the rank,
-    so each request ends with it; a new LLM starts afresh."""
-    rank = 0
-
+    A worker that raises sends its error and exits; one that dies, or gives no answer for `timeout` seconds, ends
+    the engine too. Then this and every later step raise a RuntimeError naming the rank, so each request ends with
+    it; a new LLM starts afresh."""
     def __init__(self, llm_class, llm_args, size, backend, timeout=300.0):
         self.size, self.timeout, self.failed, self.busy_since = size, timeout, None, None
         comm_id = backend.new_comm_id() if backend.name == "cuda" else None
@@ -232,8 +273,7 @@ class Leader(Alone):
         if self.failed and call == "step":
             raise RuntimeError(self.failed)
 
-    def check(self):
-        """At a step's end (or once the engines are made): a rank lost meanwhile makes its results untrustworthy."""
+    def raise_if_failed(self):
         self.busy_since = None
         if self.failed:
             raise RuntimeError(self.failed)
@@ -313,7 +353,7 @@ def stop_workers(conns, procs):
         conn.close()
 
 
-class Worker(Alone):
+class Worker(Rank):
     """A spawned rank: rank 0's calls come down its pipe (run_worker); a failure of its own is sent up it, and the
     process exits (rank 0 then ends the engine)."""
     def __init__(self, backend, rank, size, conn, comm_id):

@@ -117,20 +117,47 @@ class RequestOutput:  # as vLLM's, and `error`: why a request failed or was refu
                    error=str(error))
 
 
-def check_engine_arguments(args):
-    """ValueError naming the first of LLM's arguments (its locals()) that is out of range."""
-    refuse_bad("LLM", [(name, args[name], is_int(args[name], 1), "an integer >= 1") for name in (
-        "block_size", "max_num_seqs", "num_scheduler_steps", "max_num_batched_tokens", "tensor_parallel_size")] + [
-        ("num_kv_tokens", args["num_kv_tokens"], args["num_kv_tokens"] is None or is_int(args["num_kv_tokens"], 1),
-         "None or >= 1"),
-        ("gpu_memory_utilization", args["gpu_memory_utilization"], is_number(args["gpu_memory_utilization"]) and
-         0 < args["gpu_memory_utilization"] <= 1, "a fraction in (0, 1]"),
-        ("seed", args["seed"], is_int(args["seed"], 0), "an integer >= 0"),
-        ("dtype", args["dtype"], args["dtype"] in (None, "float16", "float32", np.float16, np.float32),
-         "float16 or float32"),
-        ("quantization", args["quantization"], args["quantization"] in (None, "int8"), "None or 'int8'")] + [
-        (name, args[name], isinstance(args[name], bool), "True or False") for name in (
-            "cuda_graphs", "fused", "dependent_launches", "batch_invariant", "enable_prefix_caching")])
+@dataclass
+class EngineConfig:
+    """The engine's settings, LLM's keyword arguments (vLLM's names where vLLM has the setting), each checked here: a
+    bad one raises ValueError naming it, before anything loads."""
+    device: str = "auto"  # "cuda" (the kernels), "cpu" (numpy), or "auto": the GPU if there is a usable one
+    dtype: object = None  # float16 (the GPU's default) or float32 (the CPU's only)
+    block_size: int = 16  # tokens a KV block holds
+    max_num_seqs: int = 256  # sequences a step runs at most
+    max_num_batched_tokens: int = 16384  # tokens a step computes at most (prompts are chunked to fit)
+    num_kv_tokens: int = None  # the KV pool's size in tokens (None: what gpu_memory_utilization leaves)
+    gpu_memory_utilization: float = 0.9  # the fraction of the GPU's memory the engine may hold
+    seed: int = 0  # the seeds of requests that bring none are drawn from this one
+    cuda_graphs: bool = True  # decode steps (and a lone prompt's prefill) replayed from CUDA graphs
+    fused: bool = True  # layernorms, bias, GELU and residual adds inside the matmuls (False: kernels of their own)
+    num_scheduler_steps: int = 16  # decode steps a CUDA graph run may take (multi-step decoding)
+    dependent_launches: bool = True  # a kernel in a graph starts while the one before finishes
+    batch_invariant: bool = False  # no row's reductions depend on the rest of the batch (bitwise equal solo and batched)
+    enable_prefix_caching: bool = True  # full KV blocks found again by prompts that start the same way
+    quantization: str = None  # "int8": weight-only int8 (W8A16)
+    speculative_config: dict = None  # speculative decoding (speculation.py): n-gram drafts, or a draft model's
+    tensor_parallel_size: int = 1  # ranks each layer is split over (parallel.py)
+    distributed_executor_backend: str = None  # "uni" (ranks as threads) or "mp" (a process a rank; GPUs' default)
+
+    def __post_init__(self):
+        positive = [(name, getattr(self, name), is_int(getattr(self, name), 1), "an integer >= 1") for name in (
+            "block_size", "max_num_seqs", "max_num_batched_tokens", "num_scheduler_steps", "tensor_parallel_size")]
+        switches = [(name, getattr(self, name), isinstance(getattr(self, name), bool), "True or False") for name in (
+            "cuda_graphs", "fused", "dependent_launches", "batch_invariant", "enable_prefix_caching")]
+        refuse_bad("LLM", positive + switches + [
+            ("device", self.device, self.device in ("auto", "cpu", "cuda"), "'auto', 'cpu' or 'cuda'"),
+            ("dtype", self.dtype, self.dtype in (None, "float16", "float32", np.float16, np.float32),
+             "float16 or float32"),
+            ("num_kv_tokens", self.num_kv_tokens, self.num_kv_tokens is None or is_int(self.num_kv_tokens, 1),
+             "None or >= 1"),
+            ("gpu_memory_utilization", self.gpu_memory_utilization, is_number(self.gpu_memory_utilization) and
+             0 < self.gpu_memory_utilization <= 1, "a fraction in (0, 1]"),
+            ("seed", self.seed, is_int(self.seed, 0), "an integer >= 0"),
+            ("quantization", self.quantization, self.quantization in (None, "int8"), "None or 'int8'"),
+            ("distributed_executor_backend", self.distributed_executor_backend,
+             self.distributed_executor_backend in (None, "uni", "mp"),
+             "'uni' (ranks as threads of this process) or 'mp' (a process a rank)")])
 
 
 def is_int(v, lo, hi=math.inf):
@@ -197,43 +224,25 @@ def as_lists(prompts, params):
 Penalties = namedtuple("Penalties", "rows ids output_counts banned repetition presence frequency bias")
 
 
-def token_indices(seqs):
-    """The sampler's token index for each row (seqs: a sequence per row): its output count, and on the rows of its
-    draft, one more each, the indices plain decoding would sample those positions at."""
-    out = [s.num_output for s in seqs]
-    for r in range(1, len(seqs)):
-        out[r] = out[r - 1] + 1 if seqs[r] is seqs[r - 1] else out[r]
-    return out
-
-
-def penalties(seqs):
-    """The Penalties of the rows that sample (seqs), or None when none edits its logits. A speculating sequence's row
-    after j of its draft tokens sees them as its own (speculation.py): as plain decoding would, had it sampled them."""
-    if not any(s.edits_logits for s in seqs):
+def penalties(rows):
+    """The Penalties of the rows that sample, each (sequence, j): the row samples the sequence's token j places after its
+    next, from logits computed after j tokens it computed ahead (a draft's, speculation.py), which it counts as its own
+    output, as plain decoding would have. None when no row edits its logits."""
+    if not any(s.edits_logits for s, _ in rows):
         return None
     entries = []  # (row, token, times in the output, banned, repetition penalty, bias)
-    for row, (s, index) in enumerate(zip(seqs, token_indices(seqs))):
-        j = index - s.num_output  # the draft tokens before this row
-        p, ban, bias = s.params, s.banned_tokens(ahead=j), s.params.logit_bias or {}
-        in_output = Counter(s.output_token_ids + s.draft[:j]) if p.presence_penalty or p.frequency_penalty else {}
-        seen = set(s.token_ids + s.draft[:j]) if p.repetition_penalty != 1 else set(in_output)
+    for row, (s, j) in enumerate(rows):
+        p, ban, bias, history = s.params, s.banned_tokens(ahead=j), s.params.logit_bias or {}, s.history(j)
+        output = history[len(s.prompt_token_ids):]
+        in_output = Counter(output) if p.presence_penalty or p.frequency_penalty else {}
+        seen = set(history) if p.repetition_penalty != 1 else set(in_output)
         entries += [(row, t, in_output.get(t, 0), t in ban, p.repetition_penalty if t in seen else 1, bias.get(t, 0))
                     for t in sorted(seen | ban | set(bias))]
-    rows, ids, counts, banned = np.array([e[:4] for e in entries], np.int32).reshape(-1, 4).T.copy()  # (4, E)
+    row_of, ids, counts, banned = np.array([e[:4] for e in entries], np.int32).reshape(-1, 4).T.copy()  # (4, E)
     repetition, bias = np.array([e[4:] for e in entries], np.float32).reshape(-1, 2).T.copy()
-    per_row = lambda name: np.array([getattr(s.params, name) for s in seqs], np.float32)
-    return Penalties(rows, ids, counts, banned.astype(bool), repetition, per_row("presence_penalty"),
+    per_row = lambda name: np.array([getattr(s.params, name) for s, _ in rows], np.float32)
+    return Penalties(row_of, ids, counts, banned.astype(bool), repetition, per_row("presence_penalty"),
                      per_row("frequency_penalty"), bias)
-
-
-def add_prompt_logprobs(prompt_rows, logits, row, tokenizer):
-    """Each (sequence, positions) its prompt log-probs: position p's logits (from `row` on, after the samplers')
-    score prompt token p + 1."""
-    for seq, span in prompt_rows:
-        for p in span:
-            seq.prompt_logprobs.append(logprobs_of(logits[row], seq.prompt_token_ids[p + 1],
-                                                   seq.params.prompt_logprobs, tokenizer))
-            row += 1
 
 
 def sample_seed(seed, index):

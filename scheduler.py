@@ -35,7 +35,7 @@ class Sequence:
         self.stop_reason = None  # the stop string or stop token id that ended it
         self.error = None  # why, when finish_reason is 'error'
         self.num_cached_tokens = None  # at its first admission: the tokens whose KV the prefix cache held
-        self.draft = []  # speculative tokens this step computes after its last (speculation.py)
+        self.draft = []  # tokens it computes after its last this step, guesses of what comes next (speculation.py)
         self.num_draft_tokens = self.num_accepted_tokens = 0  # draft tokens it had verified, and kept
         self.logprobs = [] if params.logprobs is not None else None
         # the first sample computes the prompt's log-probs (the others share its KV): None for its first token
@@ -58,6 +58,15 @@ class Sequence:
     @property
     def num_uncomputed(self):
         return len(self.token_ids) - self.num_computed
+
+    def tokens_to_compute(self, n):
+        """Its next n tokens to compute: its own from num_computed on, then, past its last, those it computes ahead."""
+        ids = self.token_ids[self.num_computed:self.num_computed + n]
+        return ids + self.draft[:n - len(ids)] if len(ids) < n else ids
+
+    def history(self, j):
+        """What a row j tokens past its last token sees before it: its tokens, then the first j it computes ahead."""
+        return self.token_ids + self.draft[:j] if j else self.token_ids
 
     def append(self, token, n_ctx):
         """Add a sampled token, grow the text, and decide whether the request is finished."""
@@ -130,6 +139,7 @@ class Sequence:
         if n_prompt_logprobs is not None:
             del self.prompt_logprobs[n_prompt_logprobs:]
         self._utf8.setstate(utf8)
+        self.draft = []
 
     def new_text(self):
         """Text not yet streamed (while running, what could still become the start of a stop string waits), as a
@@ -192,10 +202,9 @@ class Request:
 
 
 class Scheduler:
-    def __init__(self, kv, max_num_seqs, max_num_batched_tokens, admission_group=1, speculator=None):
+    def __init__(self, kv, max_num_seqs, max_num_batched_tokens):
         self.kv, self.max_num_seqs, self.max_num_batched_tokens = kv, max_num_seqs, max_num_batched_tokens
-        self.admission_group = admission_group
-        self.speculator = speculator  # speculation.py's proposer (propose, active), or None
+        self.admission_group = 1  # seats to free before a request comes in (the graph runner raises it: step 3 above)
         self.waiting = deque()
         self.running = []  # in admission order: the last one is the newest
         self.num_preemptions = 0
@@ -219,14 +228,12 @@ class Scheduler:
         decodes = [s for s in self.running if s.num_uncomputed == 1]
         prefills = [s for s in self.running if s.num_uncomputed > 1]
         preempted = set()
-        drafting = self.speculator is not None and self.speculator.active(len(self.running))
         for seq in decodes + prefills:
             if budget == 0:
                 break
             if seq in preempted:
                 continue
-            seq.draft = self.speculator.propose(seq, budget - 1) if drafting and seq.num_uncomputed == 1 else []
-            n = min(seq.num_uncomputed + len(seq.draft), budget)
+            n = min(seq.num_uncomputed, budget)
             while not self._fits(seq, seq.num_computed + n):
                 victim = next(s for s in reversed(self.running) if s not in scheduled)
                 self._preempt(victim)
@@ -244,7 +251,6 @@ class Scheduler:
             if seq.num_computed == 0 and not seq.wants_prompt_logprobs:  # its first blocks, from the prefix cache
                 seq.num_computed = self.kv.take_cached(seq.seq_id, seq.token_ids)
                 seq.num_cached_tokens = seq.num_computed if seq.num_cached_tokens is None else seq.num_cached_tokens
-            seq.draft = []
             n = min(seq.num_uncomputed, budget)
             if not self._fits(seq, seq.num_computed + n):
                 break

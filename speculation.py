@@ -1,4 +1,5 @@
-"""Speculative decoding: fewer target steps, no token changed.
+"""Speculative decoding: fewer target steps, no token changed. A lever of its own: nanoinfer.py's core step knows
+nothing of it; the engine builds it at two seams (LLM.__init__), a scheduler and a runner.
 
 A decode step reads every weight to make one token per sequence. A sequence that can guess what comes next (a draft
 of up to k tokens) computes its last token and the draft as one chunk of k + 1 queries (as a chunked prefill would),
@@ -9,38 +10,57 @@ sampled in its place, and that sampled token: 1 to k + 1 tokens for the weights 
   one after another, each with the target's own keyed race (same seed, same token index), so that where the two
   models agree on the distribution they agree on the token.
 
-The tokens kept are the tokens plain decoding makes: each is drawn by the same race keyed by (seed, token index,
-token id), at the same index, from logits over the same tokens before it (a kept draft token is the token plain
-decoding sampled there), with the log-probs, penalties, bias and bans plain decoding gives that position (a row after
-j draft tokens counts them as its output: sampling_params.penalties). A rejected position's KV is never read: the
-next step writes that slot again. So whatever the draft, however wrong, only the speed changes.
+The seams, as vLLM v1 has them: DraftingScheduler gives a decode's draft room as tokens to compute (Sequence.draft,
+past its last token: make_batch samples at each); Verifier turns the sampled rows into the tokens kept. The tokens
+kept are the tokens plain decoding makes: each is drawn by the same race keyed by (seed, token index, token id), at
+the same index, from logits over the same tokens before it (a kept draft token is the token plain decoding sampled
+there), with the log-probs, penalties, bias and bans plain decoding gives that position (a row after j draft tokens
+counts them as its output: sampling_params.penalties). A rejected position's KV is never read: the next step writes
+that slot again. So whatever the draft, however wrong, only the speed changes.
 
-This file is the rule, run by the host. On the GPU, n-gram steps chain without it (graph_runner.SpecGraph: kernels
-make the same drafts from a token history kept there, and keep the same tokens, many steps a run); the host drafts
-only for requests the graphs do not take (log-probs, logits edits), and a draft model always.
+On the GPU, n-gram steps chain without the host (graph_runner.SpecGraph: ngram_propose and spec_accept, whose numpy
+definitions close this file, make the same drafts from a token history kept there and keep the same tokens, many
+steps a run); the host drafts only for requests the graphs do not take (log-probs, logits edits), and a draft model
+always.
 """
 import dataclasses
-import types
 
 import numpy as np
+
+from checkpoint import Tokenizer, load_config, load_weights, resolve_model
+from nanoinfer import GPT, ModelRunner, make_batch
+from scheduler import Scheduler, Sequence
 
 FORMS = ('{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 1} or '
          '{"model": a GPT-2 name or directory, "num_speculative_tokens": k}, either with "disable_by_batch_size": N')
 
 
+def make_proposer(config, llm):
+    """The proposer speculative_config asks for (its settings checked: ValueError naming what is wrong)."""
+    if not isinstance(config, dict):
+        raise ValueError(f"speculative_config={config!r}: a dict, vLLM's: {FORMS}")
+    return DraftModelProposer(config, llm) if "model" in config else NgramProposer(config, llm.config.n_ctx)
+
+
 class Proposer:
-    """What both ways share: k, the room a sequence has for a draft, when to draft at all, and vLLM's counters (draft
-    tokens the target verified, and those it kept)."""
+    """What both ways share: k, the room a sequence has for a draft, when to draft at all, the two seams, and vLLM's
+    counters (draft tokens the target verified, and those it kept)."""
+    draft_config = None  # a draft model's GPT-2 config (its K/V share the pool's slots)
+    on_device = False  # the GPU drafts for the decodes its graphs take (n-gram: graph_runner.SpecGraph)
+
     def __init__(self, config, n_ctx):
-        if not isinstance(config, dict):
-            raise ValueError(f"speculative_config={config!r}: a dict, vLLM's: {FORMS}")
         self.k, self.max_batch = config.get("num_speculative_tokens"), config.get("disable_by_batch_size")
         if not isinstance(self.k, int) or self.k < 1:
             raise ValueError(f"speculative_config={config!r}: num_speculative_tokens is an integer >= 1")
         if self.max_batch is not None and (not isinstance(self.max_batch, int) or self.max_batch < 1):
             raise ValueError(f"speculative_config={config!r}: disable_by_batch_size is an integer >= 1 (or absent)")
         self.n_ctx, self.proposed, self.accepted = n_ctx, 0, 0
-        self.on_device = False  # the GPU drafts for the decodes its graphs take (n-gram: graph_runner.SpecGraph)
+
+    def scheduler(self, kv, engine):
+        return DraftingScheduler(self, kv, engine.max_num_seqs, engine.max_num_batched_tokens)
+
+    def runner(self, runner):
+        return Verifier(runner, self)
 
     def active(self, batch):
         """Whether a step of `batch` running sequences drafts (vLLM's disable_by_batch_size): a large batch's step
@@ -54,11 +74,79 @@ class Proposer:
         return max(0, min(self.k, budget, min(p.max_tokens - seq.num_output, self.n_ctx - len(seq.token_ids)) - 1))
 
     def fill(self, seqs):
-        """Make the drafts of this step's sequences (those the scheduler gave room to): the n-gram's are made."""
+        """Make the drafts of these sequences (each has room for its draft): the n-gram's are made."""
+
+    def count(self, seq, verified, kept):
+        """vLLM's counters, the engine's and the request's: draft tokens a step verified for seq, and kept."""
+        self.proposed, self.accepted = self.proposed + verified, self.accepted + kept
+        seq.num_draft_tokens += verified
+        seq.num_accepted_tokens += kept
+
+
+class DraftingScheduler(Scheduler):
+    """The scheduler's step, then the drafts: each decode it scheduled that the proposer has a guess for computes the
+    guess too, 1 + k tokens, as far as the step's token budget and the free blocks allow (a draft never preempts)."""
+    def __init__(self, proposer, kv, max_num_seqs, max_num_batched_tokens):
+        super().__init__(kv, max_num_seqs, max_num_batched_tokens)
+        self.proposer = proposer
+
+    def schedule(self, admit=True):
+        drafting = self.proposer.active(len(self.running))  # (as many run as before any comes in or is preempted)
+        scheduled = super().schedule(admit)
+        if not drafting:
+            return scheduled
+        budget = self.max_num_batched_tokens - sum(n for _, n in scheduled)
+        for i, (seq, n) in enumerate(scheduled):
+            if seq.num_uncomputed != 1 or budget == 0:  # a prompt's chunk, or no room left in the step
+                continue
+            draft = self.proposer.propose(seq, budget)
+            while draft and not self.kv.can_fit(seq.seq_id, len(seq.token_ids) + len(draft)):
+                draft.pop()
+            if draft:
+                self.kv.grow(seq.seq_id, len(seq.token_ids) + len(draft))
+                seq.draft, scheduled[i], budget = draft, (seq, 1 + len(draft)), budget - len(draft)
+        self.proposer.fill([seq for seq, _ in scheduled if seq.draft])
+        return scheduled
+
+
+class Verifier:
+    """The runner, then the judgement: a sequence that computed a draft sampled a token at its last token and at each
+    draft token; it keeps the draft up to the first token sampled otherwise, and that sampled token."""
+    def __init__(self, runner, proposer):
+        self.runner, self.proposer = runner, proposer
+        proposer.on_device = isinstance(proposer, NgramProposer) and runner.graphs is not None
+
+    def run(self, batch):
+        sampled = self.runner.run(batch)
+        for seq in batch.seqs:
+            if seq.draft:
+                got, draft = sampled[seq], seq.draft
+                kept = next((i for i, token in enumerate(got.token_ids[:-1]) if token != draft[i]),
+                            len(got.token_ids) - 1)  # draft tokens kept: the rows after them sampled them
+                sampled[seq] = dataclasses.replace(got, token_ids=got.token_ids[:kept + 1], logits=None if
+                                                   got.logits is None else got.logits[:kept + 1])
+                self.proposer.count(seq, len(got.token_ids) - 1, kept)
+                seq.draft = []
+        return sampled
+
+    def running_ahead(self):
+        return self.runner.running_ahead()
+
+    def wait(self):
+        self.runner.wait()
+
+    def step_failed(self, error):
+        self.runner.step_failed(error)
+
+    @property
+    def graphs(self):
+        return self.runner.graphs
 
 
 class NgramProposer(Proposer):
     """Drafts by prompt lookup (vLLM's "ngram")."""
+    method = "ngram"
+
     def __init__(self, config, n_ctx):
         super().__init__(config, n_ctx)
         if config.get("method") != "ngram":
@@ -93,44 +181,73 @@ class NgramProposer(Proposer):
         return source[len(source) - room:]
 
 
+class DraftModel:
+    """The draft of vLLM's draft-model speculation: a smaller GPT-2 of the same vocabulary and at least the target's
+    context, on the target's backend. Its K/V sit in the target's blocks, in tensors of its own; it runs over sequence
+    views (view()) with a ModelRunner of its own: on the GPU its one-token steps and lone chunks replay CUDA graphs,
+    as the target's do."""
+    def __init__(self, spec, llm):
+        path = resolve_model(spec["model"])
+        self.config = c = load_config(path)
+        self.tokenizer = Tokenizer(path, c.vocab_size)
+        llm.backend.check_model(c)
+        if not self.tokenizer.same_vocabulary(llm.tokenizer) or c.n_ctx < llm.config.n_ctx:
+            raise ValueError(f"speculative_config={spec!r}: a draft model needs the target's vocabulary (ids meaning "
+                             f"the same bytes) and context ({llm.config.n_ctx}); {path} has " + (
+                                 f"a context of {c.n_ctx}" if c.n_ctx < llm.config.n_ctx else "another vocabulary"))
+        self.model = GPT(c, load_weights(path, c), llm.backend, self.tokenizer.n_vocab)
+
+    def attach(self, kv, engine):
+        """Its K/V tensors in the target's blocks, and its runner."""
+        c = self.config
+        self.kv = kv.with_tensors(self.model.backend, c.n_layer, c.n_head, c.head_dim)
+        self.runner = ModelRunner(self.model, self.kv, engine)
+
+    def step(self, views):
+        """{view: its next tokens}, sampled by the keyed race from the draft model's logits: one step, or a graph
+        run's decode steps, as many as each view may still make."""
+        batch = make_batch([(v, len(v.token_ids) - v.num_computed) for v in views], self.kv)
+        return {v: got.token_ids for v, got in self.runner.run(batch).items()}
+
+
 class DraftModelProposer(Proposer):
-    """Drafts by a smaller model. `draft_step(views)`: the draft model's forward over sequence views (view()) and the
-    keyed sampler at each one's last token (nanoinfer.DraftModel). Its K/V live in the target's blocks, in tensors of
-    its own, so the target's block tables serve it too. Per sequence it remembers how many tokens have their draft
-    K/V written and in which blocks (`computed`), and the draft tokens it was fed (`fed`): after the target's step,
-    those the sequence kept have right K/V too."""
-    def __init__(self, config, n_ctx, draft_step, kv):
-        super().__init__(config, n_ctx)
+    """Drafts by a smaller model (DraftModel). Per sequence it remembers how many tokens have their draft K/V written
+    and in which blocks (`computed`), and the draft tokens it was fed (`fed`): after the target's step, those the
+    sequence kept have right K/V too."""
+    def __init__(self, config, llm):
+        super().__init__(config, llm.config.n_ctx)
         if config.get("method", "draft_model") != "draft_model":
             raise ValueError(f"speculative_config={config!r}: this engine drafts by {FORMS}")
-        self.draft_step, self.kv = draft_step, kv
+        self.draft = DraftModel(config, llm)
+        self.draft_config, self.kv = self.draft.config, None
         self.computed = {}  # seq_id -> (tokens with draft K/V written, the blocks they lie in)
         self.fed = {}  # seq_id -> (position, the draft tokens fed to the draft model from there)
+
+    def scheduler(self, kv, engine):
+        self.kv = kv
+        self.draft.attach(kv, engine)
+        return super().scheduler(kv, engine)
 
     def propose(self, seq, budget):
         """Room for the draft: its tokens are fill's, made once the step's drafting sequences are known."""
         return [0] * self.room(seq, budget)
 
     def fill(self, seqs):
-        """Draft for every sequence given room: one forward over its tokens the draft model has not seen (its prompt,
-        the first time) and one a draft token, each draft token sampled with the target's keyed race."""
-        drafting = [s for s in dict.fromkeys(seqs) if s.draft]
-        if not drafting:  # most steps of most workloads
+        """Each sequence's draft: one forward over its tokens the draft model has not seen (its prompt, the first
+        time) and one a draft token, each draft token sampled with the target's keyed race."""
+        if not seqs:  # most steps of most workloads
             return
         tables = self.kv.block_tables  # forget the sequences gone
         self.computed, self.fed = ({i: c for i, c in d.items() if i in tables} for d in (self.computed, self.fed))
-        starts, j = [self._seen(s) for s in drafting], 0
-        # each asks for as many tokens as its draft has (a graph run of decode steps makes no more)
-        params = [dataclasses.replace(s.params, max_tokens=s.num_output + len(s.draft), min_tokens=0) for s in drafting]
-        while rows := [r for r, s in enumerate(drafting) if j < len(s.draft)]:  # those with draft tokens j, j + 1, ...
-            views = [view(drafting[r], params[r], starts[r] if j == 0 else len(drafting[r].token_ids) + j - 1, j)
-                     for r in rows]
-            tokens = self.draft_step(views)  # (steps, rows): a graph run of decode steps makes several at once
-            for i, r in enumerate(rows):
-                for t, token in enumerate(tokens[:len(drafting[r].draft) - j, i]):
-                    drafting[r].draft[j + t] = int(token)
-            j += len(tokens)
-        for s in drafting:  # the last draft token is never fed
+        made, start = {seq: 0 for seq in seqs}, {seq: self._seen(seq) for seq in seqs}
+        while views := {view(seq, start[seq] if j == 0 else len(seq.token_ids) + j - 1, j): seq
+                        for seq, j in made.items() if j < len(seq.draft)}:
+            for v, tokens in self.draft.step(list(views)).items():  # a graph run may make several at once
+                seq = views[v]
+                n = min(len(tokens), len(seq.draft) - made[seq])
+                seq.draft[made[seq]:made[seq] + n] = tokens[:n]
+                made[seq] += n
+        for s in seqs:  # the last draft token is never fed
             n = len(s.token_ids) + len(s.draft) - 1
             self.computed[s.seq_id] = (n, tuple(self.kv.block_tables[s.seq_id][:self.kv.blocks_needed(n)]))
             self.fed[s.seq_id] = (len(s.token_ids), s.draft[:-1])
@@ -147,41 +264,57 @@ class DraftModelProposer(Proposer):
         return min(n, position + kept, len(seq.token_ids) - 1)
 
 
-def view(seq, params, start, j):
-    """A sequence as the draft model sees it at draft token j: its tokens and its first j drafts (the draft model's
-    input), computing from `start`, sampling at token index num_output + j, with `params`. What nanoinfer.make_batch,
-    sampling_arrays and the runner read of a sequence (the draft model's logits, unedited: no log-probs, penalties or
-    bias; the target's verification applies the request's own)."""
-    return types.SimpleNamespace(seq_id=seq.seq_id, token_ids=seq.token_ids + seq.draft[:j], num_computed=start,
-                                 draft=[], params=params, seed=seq.seed, num_output=seq.num_output + j,
-                                 prompt_logprob_span=lambda n: None, logprobs=None, edits_logits=False,
-                                 finish_reason=None)
+def view(seq, start, j):
+    """seq as the draft model sees it at draft token j: a Sequence of its tokens and its first j drafts, computing
+    from `start`, sampling (token index num_output + j) with seq's seed and temperature and filters, its logits
+    unedited (no log-probs, penalties, bias or bans: the target's verification applies the request's own), and
+    making no more than the draft's tokens."""
+    params = dataclasses.replace(seq.params, max_tokens=seq.num_output + len(seq.draft), min_tokens=0, logprobs=None,
+                                 prompt_logprobs=None, repetition_penalty=1.0, presence_penalty=0.0,
+                                 frequency_penalty=0.0, logit_bias=None)
+    v = Sequence(seq.seq_id, seq.prompt_token_ids, params, seq.seed, None)
+    v.token_ids, v.num_computed = seq.token_ids + seq.draft[:j], start
+    return v
+
+# -----------------------------------------------------------------------------
+# the numpy definitions of the graph helpers that chain n-gram steps on the GPU (kernels.cu, sections 13 and 14)
 
 
-def draft_row(seqs, row, drafted, proposer):
-    """Which row of its sequence's draft `row` is, j (0: its last token's, or a sequence without a draft), or None
-    when the token sampled there does not count: a draft token before it was not the token sampled in its place (or
-    the sequence finished). On a drafting sequence's first row, its num_computed drops by the draft's length: the
-    postprocess counts each kept draft token's position again."""
-    j = row - next(r for r in range(row, -1, -1) if r == 0 or seqs[r - 1] is not seqs[row])
-    seq = seqs[row]
-    if seq.draft and j == 0:
-        drafted[seq], seq.num_computed = seq.num_output, seq.num_computed - len(seq.draft)
-        count_drafts(seq, len(seq.draft), proposer)
-    elif j > 0:
-        if seq.finish_reason or seq.num_output != drafted[seq] + j or seq.token_ids[-1] != seq.draft[j - 1]:
-            return None
-        count_drafts(seq, -1, proposer)
-    return j
+def ngram_propose(history, length, remaining, token_base, ndraft, input_ids, positions, slot_mapping, context_lens,
+                  row_len, token_index, block_tables, width, block_size, n_ctx, T, n_min, n_max):
+    """kernels.cu's ngram_propose, a row at a time: the row's draft by NgramProposer.propose's rule (the latest end of
+    the longest match of its last n_min..n_max tokens, copied LZ77-style), then its chunk of T queries: last token,
+    draft, pads at the last real position; a finished row is padding."""
+    for b in range(len(length)):
+        L, left, ids = int(length[b]), int(remaining[b]), history[b * n_ctx:(b + 1) * n_ctx]
+        room = min(T - 1, left - 1) if left > 0 else 0
+        best = max(((m, e) for e in range(L - 1) for m in [next((i for i in range(n_max + 1) if i == n_max or i > e or
+                                                                  ids[e - i] != ids[L - 1 - i]))] if m >= n_min),
+                   default=None) if room > 0 else None
+        nd, rows = (room if best else 0), slice(b * T, (b + 1) * T)
+        draft = [ids[best[1] + 1 + i % (L - 1 - best[1])] for i in range(nd)] if best else []
+        j = np.arange(T)
+        pos = np.where(left > 0, L - 1 + np.minimum(j, nd), 0)
+        input_ids[rows] = ([ids[L - 1]] + draft + [0] * (T - 1 - nd)) if left > 0 else 0
+        positions[rows] = pos
+        tables = block_tables.reshape(-1, width)
+        slot_mapping[rows] = np.where((left > 0) & (j <= nd), tables[b, pos // block_size] * block_size +
+                                      pos % block_size, -1)
+        token_index[rows] = token_base[b] + j
+        row_len[rows] = (L if left > 0 else 1) + j
+        ndraft[b], context_lens[b] = (nd if left > 0 else -1), (L if left > 0 else 1) + T - 1
 
 
-def count_drafts(seq, drafts, proposer):
-    """vLLM's counters, for one of seq's tokens: the first of a step counts the draft tokens that step verified
-    (`drafts`), each kept draft token after it (-1) one accepted. draft_row's, and a speculating graph run's (its
-    drafts beside its tokens: SpecGraph.run)."""
-    if drafts >= 0:
-        proposer.proposed += drafts
-        seq.num_draft_tokens += drafts
-    else:
-        proposer.accepted += 1
-        seq.num_accepted_tokens += 1
+def spec_accept(tokens, input_ids, ndraft, history, length, remaining, token_base, step, ring, B, T, n_ctx):
+    """kernels.cu's spec_accept: each live row keeps its draft up to the first token sampled otherwise, and that
+    token, appended to its history; the step's ring entry [a + 1, drafts verified, the kept tokens]."""
+    for b in range(B):
+        nd, L, entry = int(ndraft[b]), int(length[b]), ring[step[b], b]
+        step[b] += 1
+        if nd < 0:
+            entry[:2] = 0
+            continue
+        a = next(i for i in range(nd + 1) if i == nd or tokens[b * T + i] != input_ids[b * T + i + 1])
+        entry[:2], entry[2:3 + a] = (a + 1, nd), tokens[b * T:b * T + a + 1]
+        history[b * n_ctx + L:b * n_ctx + L + a + 1] = tokens[b * T:b * T + a + 1]
+        length[b], remaining[b], token_base[b] = L + a + 1, remaining[b] - a - 1, token_base[b] + a + 1

@@ -19,7 +19,7 @@ import cuda_backend
 import graph_runner
 import nanoinfer as ni
 from checkpoint import Int8Weight, quantize_int8
-from conftest import HERE, NO_GPU, _run_py, greedy, heads, make_batch, penalty_case, random_ids, rounded
+from conftest import HERE, NO_GPU, _run_py, attention_case, greedy, heads, penalty_case, random_ids, rounded
 from cuda_backend import CudaBackend
 from nanoinfer import LLM, NumpyBackend, SamplingParams
 
@@ -263,7 +263,7 @@ def test_attention(be, case):
     step's keys from qkv; with tiles cache_write runs first). The prefill cases have few query tiles, so
     attention_prefill splits their keys (and merges the splits)."""
     dt, H = be.dtype.type, 12
-    batch, qkv, kc, vc = make_batch(ATTENTION_CASES[case], dt, rng, H=H)
+    batch, qkv, kc, vc = attention_case(ATTENTION_CASES[case], dt, rng, H=H)
     tiles = len(cuda_backend.plan_attention(batch.cu_seqlens_q, batch.context_lens, be.tile_min_q)["tile_seq"])
     assert not tiles or cuda_backend.prefill_splits(tiles * H, be.num_sms) > 1, "the split path goes untested"
     scale = 1 / math.sqrt(64)
@@ -279,7 +279,7 @@ def test_attention(be, case):
 def test_attention_head_dim():
     """The kernels are written for head_dim 64: another is refused, not computed wrong."""
     be = CudaBackend(np.float16)
-    batch, qkv, kc, vc = make_batch([(1, 5)], np.float16, rng, H=2, D=32)
+    batch, qkv, kc, vc = attention_case([(1, 5)], np.float16, rng, H=2, D=32)
     with pytest.raises(NotImplementedError, match="head_dim 64"):
         qkv_gpu = to_gpu(qkv, np.float16)
         be.attention(*(heads(qkv_gpu, j, 2) for j in range(3)), to_gpu(kc, np.float16), to_gpu(vc, np.float16),
@@ -292,7 +292,7 @@ def test_penalize_matches_numpy(tiny):
     """The penalize kernel gives NumpyBackend.penalize's logits (within fp32 rounding: the GPU may fuse a multiply and
     subtract), the same bans, and leaves every other logit untouched."""
     logits, seqs = penalty_case(LLM(str(tiny.path), device="cpu", num_kv_tokens=256).tokenizer)
-    edits = ni.penalties(seqs)
+    edits = ni.penalties([(s, 0) for s in seqs])
     got = CudaBackend(np.float32).penalize(cp.asarray(logits), edits).get()
     want = NumpyBackend().penalize(logits, edits)
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
@@ -362,90 +362,6 @@ def test_a_lone_prefill_replays_its_graph(tiny, monkeypatch):
             want = eager.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids
             assert graphed.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids == want, len(p)
     assert runs[:len(prompts)] == [64, 64, 64, 128, 128, 128, 64], runs
-
-
-@NO_GPU
-@pytest.mark.parametrize("method", ["ngram", "draft model"])
-def test_speculation_replays_cuda_graphs(tiny, method, monkeypatch):
-    """Speculating (k = 3), a lone decode's last token and draft are one replay of a verification graph (k + 1 rows,
-    a shorter draft padded; n-gram drafts made on the GPU, steps chained in runs: SpecGraph), and a draft model's
-    one-token steps replay decode graphs of its own; both give plain
-    decoding's tokens, as the same engine's eager steps do: greedy and a seeded draw (T 0.8), on prompts that repeat
-    themselves (so that n-gram drafts are found), up to max_tokens' edge (drafts cut short). The draft model is the
-    target itself: its drafts are kept. fp32, as test_cuda_graphs_change_no_token."""
-    chunks, launches, spec_runs = [], [], []
-    run, launch, spec_run = graph_runner.ChunkGraph.run, graph_runner.DecodeGraph.launch, graph_runner.SpecGraph.run
-    monkeypatch.setattr(graph_runner.ChunkGraph, "run", lambda g, b, s: chunks.append((g, len(b.input_ids))) or
-                        run(g, b, s))
-    monkeypatch.setattr(graph_runner.SpecGraph, "run", lambda g, *a: spec_runs.append(g.T) or spec_run(g, *a))
-    monkeypatch.setattr(graph_runner.DecodeGraph, "launch", lambda g, *a: launches.append(g) or launch(g, *a))
-    spec = {"ngram": {"method": "ngram", "num_speculative_tokens": 3},
-            "draft model": {"model": str(tiny.path), "num_speculative_tokens": 3}}[method]
-    plain, graphed, eager = (LLM(str(tiny.path), device="cuda", dtype="float32", num_kv_tokens=4096, cuda_graphs=on,
-                                 speculative_config=sp) for on, sp in ((False, None), (True, spec), (False, spec)))
-    prompts = [random_ids(n, n) * 4 for n in (3, 7, 12)]
-    for params in (greedy(24), SamplingParams(max_tokens=24, temperature=0.8, seed=5, ignore_eos=True)):
-        for p in prompts:  # one at a time: each step is lone
-            want = plain.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids
-            for llm in (eager, graphed):
-                assert llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids == want
-    verified = [n for g, n in chunks if g in graphed.runner.graphs.verify.values()] + spec_runs
-    assert verified and max(verified) == 4 and (spec_runs or method != "ngram"), chunks
-    s = graphed.speculator
-    assert s.proposed >= s.accepted > 0
-    if method == "draft model":
-        assert s.accepted > 0.9 * s.proposed, (s.proposed, s.accepted)
-        draft_graphs = s.draft_step.__self__.runner.graphs.graphs.values()
-        assert any(g in draft_graphs for g in launches), "no draft step was replayed from a CUDA graph"
-
-
-@NO_GPU
-@pytest.mark.parametrize("T", [2, 5, 9])
-def test_speculation_kernels(T):
-    """ngram_propose and spec_accept (SpecGraph's step around its verification chunk) against their numpy twins
-    (test_graph_runner.py): random histories over 4 token ids (many matches, loops), lengths 1-200, rows finished
-    or near their last token, n-gram sizes 1-3; sampled tokens that keep a random part of each draft. Every field
-    either writes, poisoned first (-7), equal."""
-    from test_graph_runner import ngram_propose as propose_np, spec_accept as accept_np
-    be, B, n_ctx, width, block_size = CudaBackend(np.float16), 37, 256, 17, 16
-    ids = rng.integers(0, 4, (B, n_ctx)).astype(np.int32)
-    length = rng.integers(1, 200, B).astype(np.int32)
-    state = dict(history=ids.ravel(), length=length, remaining=rng.choice([0, 1, 2, 3, 50], B).astype(np.int32),
-                 token_base=rng.integers(0, 99, B).astype(np.int32), ndraft=np.full(B, -7, np.int32))
-    chunk = {f: np.full(n, -7, np.int32) for f, n in (("input_ids", B * T), ("positions", B * T), ("context_lens", B),
-                                                       ("slot_mapping", B * T), ("row_len", B * T),
-                                                       ("token_index", B * T))}
-    tables = rng.integers(0, 500, (B, width)).astype(np.int32)
-    order = ("input_ids", "positions", "slot_mapping", "context_lens", "row_len", "token_index")
-    for n_min, n_max in ((1, 1), (1, 3), (2, 3)):
-        host = {f: a.copy() for f, a in {**state, **chunk}.items()}
-        dev = {f: cp.asarray(a) for f, a in host.items()}
-        scalars = (width, block_size, n_ctx, T, n_min, n_max)
-        propose_np(*(host[f] for f in ("history", "length", "remaining", "token_base", "ndraft")),
-                   *(host[f] for f in order), tables, *scalars)
-        be.launch("ngram_propose", (B,), (128,), (*(dev[f] for f in ("history", "length", "remaining", "token_base",
-                                                                   "ndraft")), *(dev[f] for f in order),
-                                                  cp.asarray(tables), *map(np.int32, scalars)))
-        for f in host:
-            assert (cp.asnumpy(dev[f]) == host[f]).all(), (f, n_min, n_max)
-        assert (host["ndraft"] > 0).sum() > B // 4, host["ndraft"]  # drafts were made
-        # sampled: each row keeps a random prefix of its draft, then a token unlike the next draft token
-        keep = rng.integers(0, T, B)
-        tokens = host["input_ids"].reshape(B, T)[:, 1:].copy()
-        tokens = np.concatenate([tokens, np.zeros((B, 1), np.int32)], axis=1)
-        tokens[np.arange(B), np.minimum(keep, T - 1)] = 9  # no draft token is 9
-        tokens = tokens.ravel().astype(np.int32)
-        ring = np.full((16, B, T + 2), -7, np.int32)
-        step = rng.integers(0, 15, B).astype(np.int32)
-        host_ring, dev_ring, host_step, dev_step = ring.copy(), cp.asarray(ring), step.copy(), cp.asarray(step)
-        accept_np(tokens, host["input_ids"], host["ndraft"], host["history"], host["length"], host["remaining"],
-                  host["token_base"], host_step, host_ring, B, T, n_ctx)
-        be.launch("spec_accept", (1,), (128,), (cp.asarray(tokens), dev["input_ids"], dev["ndraft"], dev["history"],
-                                                dev["length"], dev["remaining"], dev["token_base"], dev_step,
-                                                dev_ring, np.int32(B), np.int32(T), np.int32(n_ctx)))
-        for f in ("history", "length", "remaining", "token_base"):
-            assert (cp.asnumpy(dev[f]) == host[f]).all(), f
-        assert (cp.asnumpy(dev_step) == host_step).all() and (cp.asnumpy(dev_ring) == host_ring).all()
 
 
 @NO_GPU

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st, target
 
 import graph_runner
 import nanoinfer as ni
-from conftest import (EXACT_DEVICES, SAMPLED, check_kv, greedy, make_llm, num_gpus, random_ids, solo,
+from conftest import (EXACT_DEVICES, SAMPLED, Dev, check_kv, greedy, make_llm, num_gpus, random_ids, solo,
                       solo_prompt_logprobs)
 from nanoinfer import SamplingParams
 from paged_kv import BlockAllocator, PagedKVCache, block_hashes
@@ -120,15 +120,34 @@ REQUEST = st.tuples(st.integers(1, 40), st.integers(1, 16), st.integers(0, 8), s
 STRESS_EXAMPLES = int(os.environ.get("NANOINFER_STRESS_EXAMPLES", 20))  # raised before resolving engine changes
 
 
+stress = settings(max_examples=STRESS_EXAMPLES, deadline=None,
+                  suppress_health_check=[HealthCheck.function_scoped_fixture])
+stress_cases = given(reqs=st.lists(REQUEST, min_size=2, max_size=6), block_size=st.sampled_from([1, 4, 16, 32]),
+                     slack=st.sampled_from([0, 0, 1, 16, 64]), max_batched=st.sampled_from([3, 8, 32, 2048]),
+                     max_seqs=st.sampled_from([1, 2, 32]),  # 32: more than any run holds (6 x 3); 6 graph buckets
+                     speculate=st.sampled_from([None, None, ("ngram", 1, None), ("ngram", 3, None), ("ngram", 3, 2),
+                                                ("tiny", 2, None), ("wide", 3, None)]))
+
+
 @pytest.mark.parametrize("dev", EXACT_DEVICES)
-@settings(max_examples=STRESS_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(reqs=st.lists(REQUEST, min_size=2, max_size=6), block_size=st.sampled_from([1, 4, 16, 32]),
-       slack=st.sampled_from([0, 0, 1, 16, 64]), max_batched=st.sampled_from([3, 8, 32, 2048]),
-       max_seqs=st.sampled_from([1, 2, 32]),  # 32: more than any run holds (6 x 3), and 6 graph buckets, not 20
-       speculate=st.sampled_from([None, None, ("ngram", 1, None), ("ngram", 3, None), ("ngram", 3, 2), ("tiny", 2, None),
-                                  ("wide", 3, None)]))
+@stress
+@stress_cases
 def test_stress_every_request_gets_its_solo_output(tiny, wide, dev, reqs, block_size, slack, max_batched, max_seqs,
                                                    speculate):
+    """See check_stress."""
+    check_stress(tiny, wide, dev, reqs, block_size, slack, max_batched, max_seqs, speculate)
+
+
+@stress
+@stress_cases
+def test_stress_on_the_emulated_gpu(tiny, wide, emulated_gpu, reqs, block_size, slack, max_batched, max_seqs,
+                                    speculate):
+    """check_stress with device="cuda" emulated (conftest.emulated_gpu): now through the graph runner's runs and
+    chunks."""
+    check_stress(tiny, wide, Dev("cuda", "float32"), reqs, block_size, slack, max_batched, max_seqs, speculate)
+
+
+def check_stress(tiny, wide, dev, reqs, block_size, slack, max_batched, max_seqs, speculate):
     """Random requests (greedy or seeded sampling; a quarter with prompt log-probs, some with log-probs or penalties; a
     third opening alike, for the prefix cache; a fifth repeating themselves, for n-gram drafts; speculation on in 5 runs
     of 7: n-gram, k = 1 or 3 (once drafting only while at most 2 run), or a draft model, the target itself or another,
@@ -192,4 +211,4 @@ def test_stress_every_request_gets_its_solo_output(tiny, wide, dev, reqs, block_
     assert llm.kv.allocator.num_free() == llm.kv.num_blocks
     target(float(llm.scheduler.num_preemptions), label="preemptions")  # steer the search toward pressure
     target(float(llm.kv.hits), label="prefix cache hits")  # and toward shared blocks
-    target(float(llm.speculator.accepted if llm.speculator else 0), label="accepted drafts")
+    target(float(llm.proposer.accepted if llm.proposer else 0), label="accepted drafts")

@@ -12,58 +12,24 @@ gap exceeds 2 * TOL['float16'] at every step, where an engine within tolerance c
 
 The other layers have files of their own: test_ops.py (the numpy op set against torch), test_kernels.py (the CUDA
 kernels against their numpy twins), test_sampler.py, test_kv_scheduler.py, test_reliability.py, test_checkpoint.py,
-test_server.py and test_cli.py.
+test_server.py and test_cli.py; the levers too: test_speculation.py, test_parallel.py.
 """
 import dataclasses
-import json
-import shutil
 
 import numpy as np
 import pytest
 import torch
 
 import nanoinfer as ni
-from conftest import (ALL_DEVICES, CPU, EOT, EXACT_DEVICES, Dev, N_NEW, NO_GPU, SAMPLED, TOL, TWO_GPUS, assert_idle,
-                      check_kv, finish_by_steps, greedy, hf_greedy, hf_logits, make_llm, random_ids, rel_err, solo,
+from conftest import (ALL_DEVICES, CPU, EOT, EXACT_DEVICES, N_NEW, SAMPLED, TOL, Driver, assert_idle, check_kv,
+                      finish_by_steps, greedy, hf_greedy, hf_logits, make_llm, random_ids, rel_err, solo,
                       tokens, write_checkpoint)
 from nanoinfer import SamplingParams
 from scheduler import Sequence
 
 
 # -----------------------------------------------------------------------------
-# logits against transformers, driving llm.model.forward with hand-built batches
-
-def forward(llm, batch):
-    """llm.model.forward on one Batch, as float64 host logits."""
-    return np.asarray(llm.backend.tohost(llm.model.forward(batch, llm.kv)), dtype=np.float64)
-
-
-class Driver:
-    """Runs the model on flat batches built by hand from paged_kv's block tables: no scheduler involved."""
-
-    def __init__(self, llm):
-        self.llm, self.computed = llm, {}
-
-    def step(self, work):
-        """work: [(seq_id, new token ids)], all in one flat batch. Returns the logits of every new token, per seq."""
-        kv, ids, pos, slots, cu, ctx = self.llm.kv, [], [], [], [0], []
-        for sid, toks in work:
-            start = self.computed.get(sid, 0)
-            end = self.computed[sid] = start + len(toks)
-            kv.grow(sid, end)
-            table, bs = kv.block_tables[sid], kv.block_size
-            ids += toks
-            pos += range(start, end)
-            slots += [table[j // bs] * bs + j % bs for j in range(start, end)]  # the slot of token j, by definition
-            cu.append(cu[-1] + len(toks))
-            ctx.append(end)
-        i32 = lambda a: np.asarray(a, dtype=np.int32)
-        batch = ni.Batch(input_ids=i32(ids), positions=i32(pos), slot_mapping=i32(slots), cu_seqlens_q=i32(cu),
-                         context_lens=i32(ctx), block_tables=kv.block_table_array([sid for sid, _ in work]),
-                         logits_idx=np.arange(len(ids), dtype=np.int32))
-        logits = forward(self.llm, batch)
-        return [logits[cu[i]:cu[i + 1]] for i in range(len(work))]
-
+# logits against transformers, driving llm.model.forward with hand-built batches (conftest.Driver)
 
 @pytest.mark.parametrize("which", ["tiny", "wide"])
 def test_prefill_logits(request, dev, which):
@@ -306,210 +272,6 @@ def test_int8_quality_against_transformers(tiny, dev):
     assert np.mean(kl) < 2e-4 and max(err) < 0.2 and agree >= 0.75, (np.mean(kl), max(err), agree)
     with pytest.raises(ValueError, match="quantization"):
         make_llm(tiny, CPU, quantization="int4")
-
-
-@pytest.mark.parametrize("size,executor", [(2, "uni"), (4, "uni"), (2, "mp")])
-@pytest.mark.parametrize("quantization", [None, "int8"])
-def test_tensor_parallel_changes_no_token(wide, size, executor, quantization):
-    """tensor_parallel_size over Megatron's shards, its ranks threads of this process (the numpy twin: the all-reduces
-    and the lm_head's gather as barriers) or processes (distributed_executor_backend="mp": each runs the engine, rank
-    0 relaying its calls), against one rank, fp32: a prompt's logits within the fp32 tolerance (and transformers' too,
-    unquantized), greedy tokens equal, log-probs within tolerance, seeded samples equal, with chunked prefill and a
-    pool tight enough to preempt; each rank's KV tensors hold its heads only. A size that does not divide the heads,
-    or an unknown executor, is refused."""
-    reqs = [(random_ids(int(n), seed), SamplingParams(max_tokens=12, ignore_eos=True, logprobs=2, **kw))
-            for seed, (n, kw) in enumerate([(30, dict(temperature=0)), (7, dict(temperature=0)),
-                                            (50, dict(temperature=0.9, top_k=40, seed=3)),
-                                            (19, dict(temperature=1.2, top_p=0.9, seed=4))])]
-    one, ranks = (make_llm(wide, CPU, quantization=quantization, tensor_parallel_size=tp, num_kv_tokens=160,
-                           max_num_batched_tokens=32, distributed_executor_backend=executor) for tp in (1, size))
-    if executor == "uni":  # (the driver calls rank 0's forward alone: "mp" ranks forward only in the engine's steps)
-        ids = random_ids(40, 9)
-        want, got = (Driver(llm).step([(0, ids)])[0] for llm in (one, ranks))
-        for llm in (one, ranks):
-            llm.kv.free(0)  # the driver's blocks, before the engine's sequence 0
-        assert rel_err(got, want) < TOL["float32"]
-        if quantization is None:
-            assert rel_err(got, hf_logits(wide, ids)) < TOL["float32"]
-    outs = {tp: llm.generate([p for p, _ in reqs], [q for _, q in reqs], use_tqdm=False)
-            for tp, llm in ((1, one), (size, ranks))}
-    assert ranks.scheduler.num_preemptions > 0, "the pool did not force a preemption"
-    for a, b in zip(outs[1], outs[size]):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
-            assert x.keys() == y.keys() and all(abs(x[t].logprob - y[t].logprob) < 1e-4 for t in x)
-    assert ranks.kv.k[0].shape[2] == 4 // size
-    if executor == "uni":
-        assert all(kv.k[0].shape[2] == 4 // size for kv in ranks.model.rank_kv[1:])
-    with pytest.raises(ValueError, match="tensor_parallel_size"):
-        make_llm(wide, CPU, tensor_parallel_size=3)
-    with pytest.raises(ValueError, match="distributed_executor_backend"):
-        make_llm(wide, CPU, tensor_parallel_size=2, distributed_executor_backend="ray")
-
-
-TP_REQUESTS = [(30, dict(temperature=0)), (7, dict(temperature=0)), (50, dict(temperature=0.9, top_k=40, seed=3)),
-               (19, dict(temperature=1.2, top_p=0.9, seed=4))]
-
-
-def tp_outputs(llm):
-    reqs = [(random_ids(n, seed), SamplingParams(max_tokens=40, ignore_eos=True, logprobs=2, **kw))
-            for seed, (n, kw) in enumerate(TP_REQUESTS)]
-    return llm.generate([p for p, _ in reqs], [q for _, q in reqs], use_tqdm=False)
-
-
-def assert_same_outputs(outs, want):
-    for a, b in zip(outs, want):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
-            assert x.keys() == y.keys() and all(abs(x[t].logprob - y[t].logprob) < 1e-4 for t in x)
-
-
-@NO_GPU
-def test_nccl_collectives_run_inside_the_graphs(wide, monkeypatch):
-    """Tensor parallelism's GPU path on one GPU: GPT's two all-reduces a layer and the lm_head's gather through NCCL
-    (a communicator of one rank), in eager steps and captured in the CUDA graphs (decode runs, prefill graphs), fp32:
-    greedy tokens, log-probs and seeded samples those of the engine without it."""
-    import parallel
-    from cupy.cuda import nccl
-    from cuda_backend import NcclComm
-    dev = Dev("cuda", "float32")
-    want = tp_outputs(make_llm(wide, dev))
-    comm = NcclComm(nccl.get_unique_id(), 0, 1)
-    monkeypatch.setattr(parallel.Alone, "comm", comm)  # every engine's rank, made after this
-    calls = []
-    monkeypatch.setattr(NcclComm, "all_reduce", lambda self, x, f=NcclComm.all_reduce: calls.append(1) or f(self, x))
-    for graphs in (True, False):
-        llm = make_llm(wide, dev, cuda_graphs=graphs)
-        assert llm.model.comm is comm and (llm.runner.graphs is not None) == graphs
-        assert_same_outputs(tp_outputs(llm), want)
-    assert len(calls) > 0
-
-
-@TWO_GPUS
-def test_tensor_parallel_on_two_gpus(wide):
-    """tensor_parallel_size=2 on two GPUs (a process each, NCCL inside the graphs), fp32, against one GPU: greedy tokens
-    equal, log-probs within 1e-4, seeded samples equal, each rank's KV holding its heads; a rank killed ends the engine
-    (every request then finishes with an error naming it), never hangs it."""
-    import os
-    import signal
-    dev = Dev("cuda", "float32")
-    want = tp_outputs(make_llm(wide, dev))
-    llm = make_llm(wide, dev, tensor_parallel_size=2, distributed_executor_backend="mp")
-    assert llm.kv.k[0].shape[2] == 2
-    assert_same_outputs(tp_outputs(llm), want)
-    llm.ranks.timeout = 10
-    os.kill(llm.ranks.procs[0].pid, signal.SIGKILL)
-    for _ in range(2):
-        assert all(o.outputs[0].finish_reason == "error" and "rank 1" in o.error for o in tp_outputs(llm))
-    assert not llm.has_unfinished() and llm.kv.allocator.num_free() == llm.kv.num_blocks
-
-
-@pytest.mark.parametrize("dev", EXACT_DEVICES)
-@pytest.mark.parametrize("method", ["ngram", "draft model: the target", "draft model: another"])
-def test_speculation_changes_no_token(tiny, wide, dev, method):
-    """speculative_config, vLLM's two ways: n-gram drafts, and a draft model (the target itself: nearly every draft
-    kept; or another GPT-2 of the same vocabulary and a longer context). On prompts that repeat themselves drafts are
-    proposed and some kept, each request counting its own, and every output is plain decoding's, token for token:
-    greedy, seeded sampling (T 0.3), a stop string, n = 2, max_tokens edges, log-probs (within fp32's tolerance),
-    penalties, a logit bias and min_tokens (a draft token counts as output for the rows after it), and a pool small
-    enough to preempt; every block is free after. With batch_invariant=True the log-probs are bitwise plain decoding's.
-    A bad config is refused, naming what is wrong."""
-    rng = np.random.default_rng(4)
-    prompts = [(lambda b: b * 3)(rng.integers(0, EOT, 8).tolist()) for _ in range(9)]
-    params = [greedy(30), SamplingParams(max_tokens=30, temperature=0.3, seed=9, ignore_eos=True),
-              greedy(30, n=2), greedy(1), greedy(2), SamplingParams(max_tokens=30, temperature=0, stop=["e"]),
-              greedy(30, logprobs=2),
-              SamplingParams(max_tokens=30, temperature=0.3, seed=2, repetition_penalty=1.2, frequency_penalty=0.3,
-                             presence_penalty=0.2, logprobs=0, ignore_eos=True),
-              SamplingParams(max_tokens=30, temperature=0, min_tokens=20, logit_bias={int(prompts[8][0]): 2.0})]
-    spec = {"ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1},
-            "draft model: the target": {"model": str(tiny.path), "num_speculative_tokens": 3},
-            "draft model: another": {"model": str(wide.path), "num_speculative_tokens": 2}}[method]
-    for kw in (dict(), dict(num_kv_tokens=160, block_size=16)):
-        plain = make_llm(tiny, dev, **kw).generate(prompts, params, use_tqdm=False)
-        llm = make_llm(tiny, dev, speculative_config=spec, **kw)
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        assert [[c.token_ids for c in o.outputs] for o in outs] == [[c.token_ids for c in o.outputs] for o in plain]
-        assert [o.outputs[0].text for o in outs] == [o.outputs[0].text for o in plain]
-        for a, b in zip(outs[6:8], plain[6:8]):
-            for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
-                assert x.keys() == y.keys() and all(abs(x[t].logprob - y[t].logprob) < 1e-4 for t in x)
-        s = llm.speculator
-        assert s.proposed > s.accepted > 0, (s.proposed, s.accepted)
-        assert (sum(o.num_draft_tokens for o in outs), sum(o.num_accepted_tokens for o in outs)) == (s.proposed,
-                                                                                                     s.accepted)
-        if method == "draft model: the target":  # (its logits unedited: no penalties, bias or bans to apply)
-            unedited = [(o.num_draft_tokens, o.num_accepted_tokens) for o in outs[:7]]
-            assert sum(a for _, a in unedited) > 0.9 * sum(d for d, _ in unedited), unedited
-        assert llm.kv.allocator.num_free() == llm.kv.num_blocks and (llm.scheduler.num_preemptions > 0) == bool(kw)
-    plain, outs = (make_llm(tiny, dev, batch_invariant=True, speculative_config=sc).generate(prompts[6:8], params[6:8],
-                                                                                            use_tqdm=False)
-                   for sc in (None, spec))
-    assert [[(c.token_ids, c.logprobs) for c in o.outputs] for o in outs] == \
-        [[(c.token_ids, c.logprobs) for c in o.outputs] for o in plain]
-    for bad in ({"method": "draft"}, {"method": "ngram", "num_speculative_tokens": 0}, "ngram", 0, {},
-                {"model": str(wide.path)}, {"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}):
-        with pytest.raises(ValueError, match="speculative_config"):
-            make_llm(tiny, dev, speculative_config=bad)
-
-
-def test_ngram_drafts():
-    """The n-gram draft: what followed the latest earlier occurrence of the longest suffix (prompt_lookup_max down to
-    _min) that occurred, copied a token at a time so that an occurrence near the end runs on into the draft (a loop
-    of d tokens goes on repeating); as long as the room allows (k, and max_tokens - 1 more tokens); none without a
-    match."""
-    import types
-    from speculation import NgramProposer
-    ngram = NgramProposer({"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 3}, 1024)
-
-    def draft(ids, max_tokens=100, budget=100):
-        p = types.SimpleNamespace(max_tokens=max_tokens)
-        return ngram.propose(types.SimpleNamespace(token_ids=ids, params=p, num_output=0), budget)
-    assert draft([9, 5, 6, 7, 8, 5, 6]) == [7, 8, 5, 6, 7]  # after "5 6": 7 8, then on into what it drafts
-    assert draft([5, 6, 7, 1, 6, 7, 2, 6, 7]) == [2, 6, 7, 2, 6]  # the latest of two occurrences
-    assert draft([4, 4, 4]) == [4] * 5 and draft([1, 2, 1, 2]) == [1, 2, 1, 2, 1]  # loops of 1 and 2
-    assert draft([1, 2, 3, 7, 9, 3, 1, 2, 3]) == [7, 9, 3, 1, 2]  # "1 2 3" before "3" alone, though "3" is later
-    assert draft([1, 2, 3]) == [] and draft([7]) == []  # no earlier occurrence
-    assert draft([4, 4, 4], max_tokens=3) == [4, 4] and draft([4, 4, 4], budget=2) == [4, 4]
-
-
-def test_speculation_waits_for_a_small_batch(tiny):
-    """speculative_config's disable_by_batch_size (vLLM's): a step of more running sequences than it drafts nothing;
-    as requests finish and the batch shrinks to it, drafting starts; every output is plain decoding's."""
-    rng = np.random.default_rng(5)
-    prompts = [rng.integers(0, EOT, 6).tolist() * 3 for _ in range(4)]
-    params = [greedy(n) for n in (6, 12, 24, 40)]
-    plain = make_llm(tiny, CPU).generate(prompts, params, use_tqdm=False)
-    llm = make_llm(tiny, CPU, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
-                                                  "disable_by_batch_size": 2})
-    steps, schedule = [], llm.scheduler.schedule
-
-    def logged(**kw):
-        running, scheduled = len(llm.scheduler.running), schedule(**kw)
-        steps.append((running, sum(len(seq.draft) for seq, _ in scheduled)))
-        return scheduled
-    llm.scheduler.schedule = logged
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
-    assert all(drafts == 0 for running, drafts in steps if running > 2)
-    assert any(drafts > 0 for running, drafts in steps if running <= 2) and llm.speculator.proposed > 0
-
-
-def test_a_draft_model_of_another_vocabulary_or_a_shorter_context_is_refused(tiny, tmp_path):
-    """A draft model whose token ids mean other bytes (two vocabulary entries swapped), or whose context is shorter
-    than the target's, is refused with a ValueError that says which."""
-    for what, edit in (("another vocabulary", "vocab.json"), ("a context of 64", "config.json")):
-        d = tmp_path / edit
-        shutil.copytree(tiny.path, d)
-        data = json.loads((d / edit).read_text())
-        if edit == "vocab.json":
-            a, b = list(data)[300:302]
-            data[a], data[b] = data[b], data[a]
-        else:
-            data["n_positions"] = data["n_ctx"] = 64
-        (d / edit).write_text(json.dumps(data))
-        with pytest.raises(ValueError, match=what):
-            make_llm(tiny, CPU, speculative_config={"model": str(d), "num_speculative_tokens": 2})
 
 
 def test_stream_matches_generate(tiny, dev, greedy_cases):

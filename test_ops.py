@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 import nanoinfer as ni
-from conftest import CPU, EOT, LOGIT_BIAS, heads, make_batch, make_llm, penalty_case, rel_err
+from conftest import CPU, EOT, LOGIT_BIAS, attention_case, heads, make_llm, penalty_case, rel_err
 from nanoinfer import NumpyBackend
 
 SAME_FORMULA = 1e-12  # float64, both sides computing the same expression element by element
@@ -191,7 +191,7 @@ def test_attention(seed, case, batch_invariant):
     r = np.random.default_rng(seed)
     H, D = 4, 64
     seqs = ATTENTION_CASES[case] or [(1, int(n)) for n in r.integers(1, 400, 24)]
-    batch, qkv, kc, vc = make_batch(seqs, np.float64, r, H=H, D=D)
+    batch, qkv, kc, vc = attention_case(seqs, np.float64, r, H=H, D=D)
     q, k, v = (heads(qkv, j, H) for j in range(3))
     scale = 1 / math.sqrt(D)
     want = attention_by_hand(q, k, v, kc, vc, batch, scale)
@@ -238,7 +238,7 @@ def test_penalties_match_transformers(tiny, seed):
                               SequenceBiasLogitsProcessor)
     tok = make_llm(tiny, CPU).tokenizer
     logits, seqs = penalty_case(tok)
-    ours = NumpyBackend().penalize(logits, ni.penalties(seqs))
+    ours = NumpyBackend().penalize(logits, ni.penalties([(s, 0) for s in seqs]))
     hf = lambda proc, s, row: proc(torch.tensor([s.token_ids]), torch.tensor(row[None]))[0].numpy()
     want = [hf(RepetitionPenaltyLogitsProcessor(1.3), seqs[0], logits[0])]
     row, s = logits[1].copy(), seqs[1]
@@ -255,7 +255,7 @@ def test_penalties_match_transformers(tiny, seed):
     r, f32 = np.random.default_rng(seed), lambda v: float(np.float32(v))
     logits, seqs = penalty_case(tok, seed=seed)
     logits = logits + r.standard_normal(logits.shape) * 1e-3  # float64 values, not fp32 ones widened
-    ours = NumpyBackend(np.float64).penalize(logits, ni.penalties(seqs))
+    ours = NumpyBackend(np.float64).penalize(logits, ni.penalties([(s, 0) for s in seqs]))
     want = [hf(RepetitionPenaltyLogitsProcessor(f32(1.3)), seqs[0], logits[0])]
     out = np.bincount(seqs[1].output_token_ids, minlength=logits.shape[1])
     biased = np.zeros(logits.shape[1])

@@ -12,15 +12,15 @@ import signal
 import subprocess
 import sys
 import threading
-import traceback
 
 import numpy as np
 import pytest
 
 import graph_runner
 import nanoinfer as ni
-from conftest import (CPU, EOT, EXACT_DEVICES, HERE, NO_GPU, assert_idle, finish_by_steps, greedy, make_llm,
-                      random_ids, solo, tokens, write_checkpoint)
+from conftest import (CPU, EOT, EXACT_DEVICES, HERE, NO_GPU, Fault, assert_idle,
+                      check_undone, finish_by_steps, greedy, inject, make_llm, random_ids, solo, tokens,
+                      write_checkpoint)
 from nanoinfer import LLM, SamplingParams
 from paged_kv import PagedKVCache
 from scheduler import Sequence
@@ -116,23 +116,6 @@ def test_huge_top_k_is_off(tiny):
 # -----------------------------------------------------------------------------
 # faults: a step that fails is undone
 
-class Fault(Exception):
-    """An error injected into a step."""
-
-
-def inject(monkeypatch, owner, name, error, at, when=lambda: True):
-    """Make owner.name raise `error` once, on its at-th call while when() holds; returns [such calls so far]."""
-    original, calls = getattr(owner, name), [0]
-
-    def faulty(*args, **kw):
-        calls[0] += bool(when())
-        if calls[0] == at and when():
-            raise error
-        return original(*args, **kw)
-    monkeypatch.setattr(owner, name, faulty)
-    return calls
-
-
 FAULT_POINTS = {  # a step's calls, in order; the last four exist only in CUDA-graph runs
     "schedule": lambda llm: (type(llm.scheduler), "schedule"), "grow": lambda llm: (PagedKVCache, "grow"),
     "make_batch": lambda llm: (ni, "make_batch"), "forward": lambda llm: (ni.GPT, "forward_on_device"),
@@ -143,11 +126,6 @@ FAULT_POINTS = {  # a step's calls, in order; the last four exist only in CUDA-g
     "carry_on": lambda llm: (graph_runner.DecodeGraph, "carry_on"),
     "tokens": lambda llm: (graph_runner.GraphRun, "tokens"),
 }
-FAULT_PROMPTS = [random_ids(20, 1), random_ids(5, 2) * 3, random_ids(8, 1) + random_ids(9, 3)]  # the third opens
-# as the first: two blocks from the prefix cache; the second repeats itself, for speculation's n-gram drafts
-FAULT_PARAMS = [greedy(24), SamplingParams(n=2, seed=5, max_tokens=12, ignore_eos=True),  # samples forked
-                greedy(8, logprobs=2)]  # logprobs: an eager decode on the GPU too
-FAULT_SIDE = (random_ids(7, 4), greedy(10))  # a request of add_request's, in the same batches
 GRAPH_ONLY = ("plan_run", "launch", "carry_on", "tokens")
 FAULT_CASES = [pytest.param(d.values[0], point, marks=d.marks, id=f"{point}-{d.id}") for d in EXACT_DEVICES
                for point in FAULT_POINTS if d.values[0].device == "cuda" or point not in GRAPH_ONLY]
@@ -167,160 +145,6 @@ def test_a_failed_step_is_undone(tiny, dev, point, error, at, monkeypatch):
     error = error("injected")
     check_undone(tiny, dev, llm, error, lambda: inject(monkeypatch, *FAULT_POINTS[point](llm), error, at), at,
                  monkeypatch, point)
-
-
-VERIFY_POINTS = {"forward": FAULT_POINTS["forward"], "draft_row": lambda llm: (ni, "draft_row"),
-                 "append": FAULT_POINTS["append"], "spec_run": lambda llm: (graph_runner.SpecGraph, "run")}
-VERIFY_CASES = [pytest.param(d.values[0], point, marks=d.marks, id=f"{point}-{d.id}") for d in EXACT_DEVICES
-                for point in VERIFY_POINTS if d.values[0].device == "cuda" or point != "spec_run"]
-
-
-@pytest.mark.parametrize("error", [Fault, KeyboardInterrupt], ids=["error", "interrupt"])
-@pytest.mark.parametrize("dev,point", VERIFY_CASES)
-def test_a_failed_verification_step_is_undone(tiny, dev, point, error, monkeypatch):
-    """Speculative decoding on: an exception in the first step that verifies drafts (in its forward, while its
-    draft rows are judged, while its kept tokens are appended; on the GPU also in a run of chained n-gram steps,
-    graph_runner.SpecGraph) is undone as any step is, and every request then gets plain decoding's tokens: no
-    rejected draft's KV is read or found in the prefix cache."""
-    llm = make_llm(tiny, dev, num_kv_tokens=64, block_size=4, max_num_batched_tokens=16,
-                   speculative_config={"method": "ngram", "num_speculative_tokens": 3})
-    # a step verifies host drafts, or (on the GPU) comes after drafts were verified there
-    verifying = lambda: any(s.draft for s in llm.scheduler.running) or llm.speculator.proposed > 0  # noqa: E731
-    error = error("injected")
-    check_undone(tiny, dev, llm, error, lambda: inject(monkeypatch, *VERIFY_POINTS[point](llm), error, 1, verifying),
-                 1, monkeypatch, point)
-    assert llm.speculator.proposed > 0
-
-
-@pytest.mark.parametrize("error", [Fault, KeyboardInterrupt], ids=["error", "interrupt"])
-def test_a_failed_rank_is_undone(tiny, error, monkeypatch):
-    """tensor_parallel_size=2 (the numpy twin): an exception in rank 1's forward, on its 3rd call, breaks the ranks'
-    barriers, so rank 0 does not wait for it, and the step is undone as any step is (a Ctrl-C goes on, an error ends
-    the requests it touched); afterwards the ranks run the same requests to one rank's outputs."""
-    llm = make_llm(tiny, CPU, num_kv_tokens=64, block_size=4, max_num_batched_tokens=16, tensor_parallel_size=2)
-    original, calls, error = ni.GPT.forward_on_device, [0], error("injected")
-
-    def rank_1_fails(self, *args):
-        if self.comm.rank == 1:
-            calls[0] += 1
-            if calls[0] == 3:
-                raise error
-        return original(self, *args)
-
-    def arm():
-        monkeypatch.setattr(ni.GPT, "forward_on_device", rank_1_fails)
-        return calls
-    check_undone(tiny, CPU, llm, error, arm, 3, monkeypatch, "rank 1's forward")
-
-
-class RankOneFails(LLM):
-    """An engine whose rank 1, in its own (spawned) process, raises Fault in its 30th forward: "mp" makes every rank
-    with the LLM's class (it pickles: it is defined at module level)."""
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        if self.ranks.rank == 1:  # (the test's first requests take 24 forwards)
-            inject(pytest.MonkeyPatch(), self.model, "forward", Fault("injected"), 30)
-
-
-class RankOneCannotStart(LLM):
-    """An engine whose rank 1 fails while it is made (in its own process, as "no memory left" would)."""
-    def __init__(self, *args, **kwargs):
-        import parallel
-        if parallel.THIS_PROCESS is not None:
-            raise MemoryError("no room for the weights")
-        super().__init__(*args, **kwargs)
-
-
-def test_a_rank_that_cannot_start_fails_the_llm(tiny):
-    """distributed_executor_backend="mp": a rank whose engine cannot be made fails LLM() with an error naming it (and
-    what it said), leaving no process behind."""
-    import multiprocessing
-    with pytest.raises(RuntimeError, match=r"rank 1 failed \(MemoryError: no room for the weights\)"):
-        RankOneCannotStart(str(tiny.path), device="cpu", num_kv_tokens=64, tensor_parallel_size=2,
-                           distributed_executor_backend="mp")
-    assert not [p for p in multiprocessing.active_children() if p.name.startswith("nanoinfer rank")]
-
-
-def test_the_watch_ends_an_engine_whose_rank_dies_not_an_idle_one(tiny):
-    """parallel.watch, the thread that on GPUs ends an engine whose rank is lost while rank 0 may be waiting on its GPU,
-    here over a CPU "mp" engine with a 1-second timeout: an engine idle past the timeout goes on; a rank killed
-    ends it within seconds, with no step running."""
-    import time
-    import weakref
-    import parallel
-    llm = LLM(str(tiny.path), device="cpu", num_kv_tokens=64, tensor_parallel_size=2, distributed_executor_backend="mp")
-    llm.ranks.timeout = 1
-    llm.generate(FAULT_PROMPTS[:1], FAULT_PARAMS[:1], use_tqdm=False)
-    threading.Thread(target=parallel.watch, args=(weakref.ref(llm.ranks),), daemon=True).start()
-    time.sleep(2.5)
-    assert llm.ranks.failed is None
-    assert llm.generate(FAULT_PROMPTS[:1], FAULT_PARAMS[:1], use_tqdm=False)[0].outputs[0].finish_reason == "length"
-    os.kill(llm.ranks.procs[0].pid, signal.SIGKILL)
-    for _ in range(50):
-        if llm.ranks.failed:
-            break
-        time.sleep(0.1)
-    assert "rank 1 died" in (llm.ranks.failed or "")
-
-
-@pytest.mark.parametrize("how", ["rank 1's error", "rank 0's error", "SIGKILL", "SIGSTOP"])
-def test_rank_processes_a_lost_rank_ends_the_engine(tiny, how, monkeypatch):
-    """distributed_executor_backend="mp" (a process a rank, each running the engine, rank 0 relaying its calls): a
-    step that fails on one rank (an error in rank 1's process, or in rank 0's forward), a rank whose process dies, or
-    one that stops answering (SIGSTOP, a 2-second timeout) ends the engine, never hangs it: each request, then and
-    later, finishes at once with an error (naming the rank), every block free, no worker left; before, the ranks give
-    one rank's outputs."""
-    want = [solo(tiny, CPU, p, q) for p, q in zip(FAULT_PROMPTS, FAULT_PARAMS)]
-    make = RankOneFails if how == "rank 1's error" else LLM
-    llm = make(str(tiny.path), device="cpu", num_kv_tokens=64, tensor_parallel_size=2,
-               distributed_executor_backend="mp")
-    llm.ranks.timeout = 2
-    first = llm.generate(FAULT_PROMPTS[:1], FAULT_PARAMS[:1], use_tqdm=False)[0]
-    assert first.outputs[0].token_ids == want[0]
-    why = {"rank 1's error": "rank 1 failed (Fault: injected)", "rank 0's error": "rank 0's step failed (Fault",
-           "SIGKILL": "rank 1 died", "SIGSTOP": "rank 1 gave no answer in 2 s"}[how]
-    if how.startswith("SIG"):
-        os.kill(llm.ranks.procs[0].pid, getattr(signal, how))
-    elif how == "rank 0's error":
-        inject(monkeypatch, llm.model, "forward", Fault("injected"), 3)
-    for again in (False, True):  # (the requests of the step that failed in rank 0 end with its own error)
-        outs = llm.generate(FAULT_PROMPTS, FAULT_PARAMS, use_tqdm=False)
-        assert all(o.outputs[0].finish_reason == "error" and (why in o.error or not again and "Fault: injected" in
-                                                              o.error) for o in outs), [o.error for o in outs]
-    assert not llm.has_unfinished() and llm.kv.allocator.num_free() == llm.kv.num_blocks
-    assert not any(p.is_alive() for p in llm.ranks.procs)
-
-
-def check_undone(tiny, dev, llm, error, arm, at, monkeypatch, point):
-    """Run FAULT_PROMPTS (and FAULT_SIDE, added first) with the fault `error` that arm() injects at the at-th call it
-    counts, then check the outcome."""
-    want = [solo(tiny, dev, p, q) for p, q in zip(FAULT_PROMPTS, FAULT_PARAMS)]
-    want_side = solo(tiny, dev, *FAULT_SIDE)
-    side = llm.add_request(*FAULT_SIDE)
-    calls = arm()
-    outs = raised = None
-    try:
-        outs = llm.generate(FAULT_PROMPTS, FAULT_PARAMS)
-    except (Fault, KeyboardInterrupt) as e:
-        raised = e
-    assert calls[0] >= at, f"the step never reached {point} {at} times"
-    monkeypatch.undo()
-    if isinstance(error, KeyboardInterrupt):
-        assert raised is error
-    elif raised:  # only an error while scheduling, which no request can be blamed for, goes on to the caller
-        assert point == "schedule" or "schedule" in [f.name for f in traceback.extract_tb(raised.__traceback__)]
-    side_out = finish_by_steps(llm)[side]
-    if raised:  # the stream's own requests were aborted; the side request waited intact
-        assert side_out.outputs[0].token_ids == want_side and side_out.outputs[0].finish_reason == "length"
-    else:
-        failed = [o for o in outs + [side_out] if any(c.finish_reason == "error" for c in o.outputs)]
-        assert failed and all("Fault: injected" in o.error for o in failed)
-        for o, w in zip(outs + [side_out], want + [want_side]):
-            for c, w_c in zip(o.outputs, w if len(o.outputs) > 1 else [w]):
-                assert c.finish_reason == "error" or (c.token_ids == w_c and c.finish_reason == "length")
-    assert_idle(llm)
-    assert [tokens(o) for o in llm.generate(FAULT_PROMPTS, FAULT_PARAMS)] == want
-    assert_idle(llm)
 
 
 def test_a_failing_sequence_append_leaves_none_stuck(tiny, monkeypatch):
