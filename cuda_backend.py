@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 try:
-    import cupy as cp  # the GPU's arrays (this file imports without CuPy: its plans are plain Python, tested on the CPU)
+    import cupy as cp  # the GPU's arrays (the file imports without CuPy: its plans are plain Python, tested on the CPU)
 except ImportError:
     cp = None
 

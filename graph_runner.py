@@ -145,7 +145,7 @@ class DecodeGraph:
             self.token_ring = cp.zeros((2 * MAX_STEPS_PER_RUN, B), np.int32)  # one run's tokens while the next runs
             self.ring_row = 0  # the ring row the next step writes (the GPU keeps its own count in `ring_row`)
             ids = cp.arange(B + 1, dtype=np.int32)
-            # CudaBackend.to_device's fields, for B decode rows: attention_decode's rows, or one-query tiles (tile_min_q)
+            # CudaBackend.to_device's fields for B decode rows: attention_decode's rows, or one-query tiles (tile_min_q)
             attention = dict(row_q=ids[:B], row_seq=ids[:B], row_len=d["context_lens"], tile_seq=ids[:0],
                              tile_q0=ids[:0]) if backend.tile_min_q != 1 else dict(
                 row_q=ids[:0], row_seq=ids[:0], row_len=ids[:0], tile_seq=ids[:B], tile_q0=cp.zeros_like(ids[:B]))

@@ -2,9 +2,8 @@
 
 Read top to bottom: the op set (numpy: the definition of every kernel), the sampler, GPT-2's forward over one flat
 batch of tokens, and the LLM engine: step() is schedule -> batch -> run -> postprocess over the paged KV cache
-(paged_kv.py) and the continuous-batching scheduler (scheduler.py). checkpoint.py reads a model directory;
-sampling_params.py holds what a request asks for. On a GPU, cuda_backend.py supplies the op set as kernels
-(kernels.cu) and a runner replaying decode steps from CUDA graphs: every speed trick.
+(paged_kv.py) and the continuous-batching scheduler (scheduler.py). On a GPU, cuda_backend.py supplies the op set as
+kernels (kernels.cu), and graph_runner.py replays steps from CUDA graphs: every speed trick, behind one door.
 """
 import contextlib
 import itertools
@@ -48,7 +47,7 @@ def sample_key(seed, token_index):
 
 def gumbel(key, n):
     """Gumbel noise -log(-log(u)) for tokens 0..n-1 under one key: u from 23 bits of murmur3's finalizer of (token,
-    key), so a token's noise depends on nothing but its seed, token index and id (float32, as the kernel computes it)."""
+    key), so a token's noise depends on nothing but its seed, token index and id (float32, as the kernel has it)."""
     key = int(key)
     h = np.arange(n, dtype=np.uint32) * np.uint32(0x9E3779B1) + np.uint32(key & 0xFFFFFFFF)
     h ^= np.uint32(key >> 32)
@@ -306,9 +305,9 @@ class GPT:
 
 def make_batch(scheduled, kv):
     """Flatten this step's work, [(sequence, tokens to compute now)], into one Batch. A sequence samples at its last
-    token, and at each token it computes after it (a draft, speculation.py); while a chunk of its prompt ends before
-    that, nowhere. Rows that score prompt tokens (prompt log-probs) come after every sampled row. Python loops over
-    sequences, numpy over tokens."""
+    token, and at each token it computes after it (guesses of what comes next); while a chunk of its prompt ends
+    before that, nowhere. Rows that score prompt tokens (prompt log-probs) come after every sampled row. Python loops
+    over sequences, numpy over tokens."""
     seqs = [seq for seq, _ in scheduled]
     counts = np.array([n for _, n in scheduled], np.int32)  # (S,)
     starts = np.array([seq.num_computed for seq in seqs], np.int32)  # (S,)
@@ -441,7 +440,7 @@ class LLM:
             from speculation import make_proposer
             self.proposer = make_proposer(e.speculative_config, self)
         self.kv = self._make_kv_cache(e)  # in the memory the weights leave
-        # speculation's seams: its scheduler gives drafts room as tokens to compute, its runner keeps what they got right
+        # speculation's seams: its scheduler gives drafts room as tokens to compute, its runner keeps those right
         self.scheduler = Scheduler(self.kv, e.max_num_seqs, e.max_num_batched_tokens) if self.proposer is None else \
             self.proposer.scheduler(self.kv, e)
         self.runner = ModelRunner(self.model, self.kv, e, self.scheduler, self.proposer)

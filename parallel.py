@@ -1,4 +1,6 @@
-"""Tensor parallelism, Megatron's split of each layer across tensor_parallel_size ranks (vLLM's LLM argument).
+"""Tensor parallelism, Megatron's split of each layer across tensor_parallel_size ranks (vLLM's LLM argument). A lever
+of its own: the engine's core step does not know how many ranks there are (the ranks make the model, and wrap the
+runner: nanoinfer.LLM.__init__). It imports nothing from nanoinfer.py.
 
 A layer's two matmul pairs split so that each pair needs one all-reduce:
 - QKV and the MLP's up-projection by output columns: rank r computes its heads' q, k, v and its quarter of the MLP's
@@ -10,12 +12,10 @@ A layer's two matmul pairs split so that each pair needs one all-reduce:
   holds its heads only (the block tables, one allocator's, are the same on every rank);
 - the lm_head splits over the vocabulary; its logits are gathered where the sampler runs.
 
-Two ways to run the ranks (vLLM's distributed_executor_backend): "uni", simulated in one process (the numpy twin):
-each a thread running GPT.forward over its shard, the all-reduce and the gather as barriers, so the CPU tests prove
-the partitioning exact; and "mp", a process a rank (one a GPU), each running the whole engine over its shard, rank 0
-relaying the calls that change it (Leader). On GPUs, NCCL carries the collectives, on the step's stream, so the CUDA
-graphs hold them; on the CPU they go through rank 0 over pipes. It imports nothing from nanoinfer.py: the model a rank
-runs, and the engine, are handed in.
+Two ways to run the ranks (vLLM's distributed_executor_backend): "uni", threads of one process (the numpy twin: the
+collectives as barriers), so the CPU tests prove the partitioning exact; and "mp", a process a rank (one a GPU), each
+running the whole engine over its shard, rank 0 relaying every call that changes it. On GPUs NCCL carries the
+collectives on the step's stream, inside the CUDA graphs; on the CPU they go through rank 0 over pipes.
 """
 import multiprocessing
 import multiprocessing.connection
@@ -103,10 +103,9 @@ class ThreadComm(Collectives):
 
 
 class SimulatedRanks:
-    """tensor_parallel_size ranks in one process: make_model(rank's weights, comm) is each rank's model (a GPT).
-    forward(batch, kv) runs the batch on every rank, each in a thread, rank 0's heads' K/V in the engine's cache kv and
-    the other ranks' in tensors of their own in its blocks, and gives rank 0's logits, gathered over the whole
-    vocabulary. A rank that raises breaks the barriers, so no rank waits for it; its error is raised here."""
+    """"uni": the ranks' models (make_model(shard, comm): a GPT each) as one. forward(batch, kv) runs each in a
+    thread, rank 0's heads' K/V in the engine's cache and the others' in tensors of their own in its blocks, and gives
+    rank 0's logits. A rank that raises breaks the barriers, so no rank waits for it; its error is raised here."""
     def __init__(self, make_model, weights, config, n_vocab, size):
         self.group = dict(slots=[None] * size, barrier=threading.Barrier(size))
         self.ranks = [make_model(shard(weights, config, n_vocab, r, size), comm=ThreadComm(self.group, r))
@@ -139,15 +138,15 @@ class SimulatedRanks:
 
 
 # -----------------------------------------------------------------------------
-# the ranks of an engine: the model each runs, its KV pool, and (with processes) each step relayed
+# the ranks of an engine: the model each runs, its KV pool, and ("mp") each call relayed
 
 THIS_PROCESS = None  # in a spawned rank: (rank, size, pipe to rank 0, NCCL id), set before it makes its LLM
 
 
 def start(llm_class, llm_args, engine, config, backend):
-    """This process's place among an engine's engine.tensor_parallel_size ranks: Rank (one), Threads ("uni": every
-    rank in this process), the Leader (rank 0 of "mp", which spawns the others: llm_class(**llm_args) each) or a Worker
-    (a spawned rank). ValueError for what cannot run. distributed_executor_backend None: "mp" on GPUs, "uni" else."""
+    """This process's place among engine.tensor_parallel_size ranks: Rank (the only one), Threads ("uni"), the Leader
+    (rank 0 of "mp": it spawns the others, llm_class(**llm_args) each) or a Worker (one spawned). ValueError for what
+    cannot run. distributed_executor_backend None: "mp" on GPUs, "uni" elsewhere."""
     size, executor = engine.tensor_parallel_size, engine.distributed_executor_backend
     executor = executor or ("mp" if backend.name == "cuda" else "uni")
     if size > 1 and config.n_head % size:
@@ -165,8 +164,8 @@ def start(llm_class, llm_args, engine, config, backend):
 
 
 class Rank:
-    """One rank of `size`, the only one by default: its model is a GPT over its shard of the weights (all of them
-    alone), its KV pool as large as every rank's can be, its runner the engine's, and nothing to relay."""
+    """One rank of `size` (the only one, by default): a GPT over its shard of the weights, a KV pool no larger than
+    any rank's, its runner the engine's (RankRunner, with others), and nothing to relay."""
     rank, size, comm = 0, 1, Single()
 
     def model(self, gpt, config, weights, backend, n_vocab):
@@ -197,7 +196,7 @@ class Rank:
 
 
 class Threads(Rank):
-    """"uni": every rank in this process, the model SimulatedRanks (each rank a thread), so the engine sees one."""
+    """"uni": every rank in this process, their models one (SimulatedRanks): the engine sees one rank."""
     def __init__(self, size):
         self.size = size
 
@@ -213,9 +212,9 @@ class Threads(Rank):
 
 
 class RankRunner:
-    """A rank's runner ("mp"): rank 0 relays each step to the others before it runs its batch (every rank's engine,
-    in step, then makes the same batch), a rank lost meanwhile makes the results untrusted, and a failed step ends
-    the engine (NCCL cannot undo half a step, and a rank cannot tell whether the others wait for it)."""
+    """A rank's runner ("mp"): rank 0 relays each step to the others before it runs its batch (every rank's engine
+    then makes the same batch), a rank lost meanwhile makes the results untrusted, and a failed step ends the engine
+    (NCCL cannot undo half a step, and a rank cannot tell whether the others wait for it)."""
     def __init__(self, runner, ranks):
         self.runner, self.ranks = runner, ranks
 
@@ -237,14 +236,11 @@ class RankRunner:
 
 
 class Leader(Rank):
-    """Rank 0 of the "mp" executor. Every rank runs the whole engine (as SGLang's schedulers do, one a rank): rank 0
-    relays each call that changes it (a request added, with its seed resolved; an abort; a step; a prefix-cache
-    reset) to the others, which make them in the same order. The same calls, a deterministic engine and logits
-    gathered to every rank make the same batches, graphs, samples and blocks everywhere, with nothing mirrored.
-
-    A worker that raises sends its error and exits; one that dies, or gives no answer for `timeout` seconds, ends
-    the engine too. Then this and every later step raise a RuntimeError naming the rank, so each request ends with
-    it; a new LLM starts afresh."""
+    """Rank 0 of "mp". Every rank runs the whole engine (as SGLang's schedulers do): rank 0 relays each call that
+    changes it (a request added, with its seed resolved; an abort; a step; a prefix-cache reset), and the same calls,
+    a deterministic engine and logits gathered to every rank make the same batches, graphs, samples and blocks
+    everywhere, with nothing mirrored. A worker that raises sends its error and exits; one that dies, or gives no
+    answer for `timeout` seconds, ends the engine too: this and every later step raise an error naming the rank."""
     def __init__(self, llm_class, llm_args, size, backend, timeout=300.0):
         self.size, self.timeout, self.failed, self.busy_since = size, timeout, None, None
         comm_id = backend.new_comm_id() if backend.name == "cuda" else None
@@ -288,8 +284,7 @@ class Leader(Rank):
         except OSError:  # a broken pipe: its process is gone
             self.stop(self.lost(r, "died"))
 
-    def receive(self, r, want):
-        """Worker r's next message, which should be `want` ("ready"; "share": its part of a collective, on the CPU)."""
+    def receive(self, r, want):  # worker r's next message: `want` ("ready"; "share": its part of a collective)
         conn, proc = self.conns[r - 1], self.procs[r - 1]
         ready = multiprocessing.connection.wait([conn, proc.sentinel], self.timeout)
         if conn not in ready:  # its process ended, or it stays silent
@@ -303,8 +298,7 @@ class Leader(Rank):
         assert kind == want, (kind, want)
         return value
 
-    def lost(self, r, what):
-        """Why the engine ends: worker r died, hangs or failed."""
+    def lost(self, r, what):  # why the engine ends: worker r died, hangs or failed
         proc = self.procs[r - 1]
         proc.join(0.1)
         code = f" (exit code {proc.exitcode})" if what == "died" and proc.exitcode is not None else ""
@@ -337,8 +331,7 @@ def watch(leader_ref):
 
 
 def next_message(conn):
-    """A worker's next (kind, value) down its pipe; ("error", None) where it sent nothing more and its end is gone (it
-    died: a pipe reset by the kill raises)."""
+    """A worker's next (kind, value) down its pipe; ("error", None) if it died (a pipe reset by the kill raises)."""
     try:
         return conn.recv() if conn.poll() else ("error", None)
     except (EOFError, OSError):
@@ -396,8 +389,7 @@ def run_worker(llm_class, llm_args, place):
 
 
 class PipeComm(Collectives):
-    """A worker rank's collectives on the CPU: its share goes to rank 0 (StarComm), which combines them and sends every
-    rank the result."""
+    """A worker's collectives on the CPU: its share to rank 0 (StarComm), which sends back the combined result."""
     def __init__(self, conn, rank, size):
         self.conn, self.rank, self.size = conn, rank, size
 
@@ -407,8 +399,7 @@ class PipeComm(Collectives):
 
 
 class StarComm(Collectives):
-    """Rank 0's collectives among processes on the CPU: each worker's share received (in rank order), combined, and
-    sent back to every worker (on GPUs, NCCL does this)."""
+    """Rank 0's collectives among processes on the CPU: the workers' shares in rank order, combined, sent back."""
     rank = 0
 
     def __init__(self, ranks):

@@ -133,7 +133,7 @@ class EngineConfig:
     fused: bool = True  # layernorms, bias, GELU and residual adds inside the matmuls (False: kernels of their own)
     num_scheduler_steps: int = 16  # decode steps a CUDA graph run may take (multi-step decoding)
     dependent_launches: bool = True  # a kernel in a graph starts while the one before finishes
-    batch_invariant: bool = False  # no row's reductions depend on the rest of the batch (bitwise equal solo and batched)
+    batch_invariant: bool = False  # no row's sums depend on the rest of the batch (bitwise the same solo and batched)
     enable_prefix_caching: bool = True  # full KV blocks found again by prompts that start the same way
     quantization: str = None  # "int8": weight-only int8 (W8A16)
     speculative_config: dict = None  # speculative decoding (speculation.py): n-gram drafts, or a draft model's
@@ -225,9 +225,9 @@ Penalties = namedtuple("Penalties", "rows ids output_counts banned repetition pr
 
 
 def penalties(rows):
-    """The Penalties of the rows that sample, each (sequence, j): the row samples the sequence's token j places after its
-    next, from logits computed after j tokens it computed ahead (a draft's, speculation.py), which it counts as its own
-    output, as plain decoding would have. None when no row edits its logits."""
+    """The Penalties of the rows that sample, each (sequence, j): the row samples the sequence's token j places after
+    its next, from logits computed after j tokens it computed ahead (a draft's, speculation.py), which count as its
+    output, as plain decoding would have had them. None when no row edits its logits."""
     if not any(s.edits_logits for s, _ in rows):
         return None
     entries = []  # (row, token, times in the output, banned, repetition penalty, bias)

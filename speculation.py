@@ -1,27 +1,22 @@
-"""Speculative decoding: fewer target steps, no token changed. A lever of its own: nanoinfer.py's core step knows
-nothing of it; the engine builds it at two seams (LLM.__init__), a scheduler and a runner.
+"""Speculative decoding: fewer target steps, no token changed. A lever of its own: the core step knows nothing of it;
+LLM.__init__ plugs in its scheduler and its runner.
 
 A decode step reads every weight to make one token per sequence. A sequence that can guess what comes next (a draft
-of up to k tokens) computes its last token and the draft as one chunk of k + 1 queries (as a chunked prefill would),
-samples a token at each position, and keeps the draft up to the first drafted token that differs from the token
-sampled in its place, and that sampled token: 1 to k + 1 tokens for the weights read once. Two ways to guess, vLLM's:
+of up to k tokens) computes its last token and the draft as one chunk of k + 1 queries, samples a token at each, and
+keeps the draft up to the first drafted token that differs from the token sampled in its place, and that sampled
+token: 1 to k + 1 tokens for the weights read once. Two ways to guess, vLLM's:
 - "ngram" (prompt lookup): if the sequence's last n tokens occurred earlier in it, what followed them then;
 - a draft model ({"model": ..., "num_speculative_tokens": k}): a smaller GPT-2 of the same vocabulary samples k tokens
-  one after another, each with the target's own keyed race (same seed, same token index), so that where the two
-  models agree on the distribution they agree on the token.
+  one after another, each with the target's own keyed race (same seed, same token index).
 
-The seams, as vLLM v1 has them: DraftingScheduler gives a decode's draft room as tokens to compute (Sequence.draft,
-past its last token: make_batch samples at each); Verifier turns the sampled rows into the tokens kept. The tokens
-kept are the tokens plain decoding makes: each is drawn by the same race keyed by (seed, token index, token id), at
-the same index, from logits over the same tokens before it (a kept draft token is the token plain decoding sampled
-there), with the log-probs, penalties, bias and bans plain decoding gives that position (a row after j draft tokens
-counts them as its output: sampling_params.penalties). A rejected position's KV is never read: the next step writes
-that slot again. So whatever the draft, however wrong, only the speed changes.
+The seams are vLLM v1's: DraftingScheduler gives a decode's draft room as tokens to compute (Sequence.draft: make_batch
+samples at each), and Verifier turns the sampled rows into the tokens kept. Those are plain decoding's tokens: each is
+drawn by the same race keyed by (seed, token index, token id), at the same index, from logits over the same tokens
+before it, with the penalties, bias and bans plain decoding gives that position (sampling_params.penalties). A
+rejected position's KV is never read: the next step writes that slot again. So a draft changes only the speed.
 
 On the GPU, n-gram steps chain without the host (graph_runner.SpecGraph: ngram_propose and spec_accept, whose numpy
-definitions close this file, make the same drafts from a token history kept there and keep the same tokens, many
-steps a run); the host drafts only for requests the graphs do not take (log-probs, logits edits), and a draft model
-always.
+definitions close this file); the host drafts for the requests the graphs do not take, and for a draft model.
 """
 import dataclasses
 
@@ -43,8 +38,7 @@ def make_proposer(config, llm):
 
 
 class Proposer:
-    """What both ways share: k, the room a sequence has for a draft, when to draft at all, the two seams, and vLLM's
-    counters (draft tokens the target verified, and those it kept)."""
+    """What both ways share: k, a sequence's room for a draft, when to draft, the seams, vLLM's counters."""
     draft_config = None  # a draft model's GPT-2 config (its K/V share the pool's slots)
     on_device = False  # the GPU drafts for the decodes its graphs take (n-gram: graph_runner.SpecGraph)
 
@@ -63,29 +57,27 @@ class Proposer:
         return Verifier(runner, self)
 
     def active(self, batch):
-        """Whether a step of `batch` running sequences drafts (vLLM's disable_by_batch_size): a large batch's step
-        already reads each weight for many tokens, and its verification chunks cost more than drafts save."""
+        """Whether a step of `batch` sequences drafts (vLLM's disable_by_batch_size): a large batch's step already
+        reads each weight for many tokens, and its verification chunks cost more than drafts save."""
         return self.max_batch is None or batch <= self.max_batch
 
     def room(self, seq, budget):
-        """How many tokens seq may draft: at most k, the tokens it may still make (by max_tokens and the context) but
-        one, and the step's token budget."""
+        """Tokens seq may draft: k, the step's budget, and the tokens it may still make (max_tokens, context) less 1."""
         p = seq.params
         return max(0, min(self.k, budget, min(p.max_tokens - seq.num_output, self.n_ctx - len(seq.token_ids)) - 1))
 
     def fill(self, seqs):
         """Make the drafts of these sequences (each has room for its draft): the n-gram's are made."""
 
-    def count(self, seq, verified, kept):
-        """vLLM's counters, the engine's and the request's: draft tokens a step verified for seq, and kept."""
+    def count(self, seq, verified, kept):  # vLLM's counters, the engine's and the request's
         self.proposed, self.accepted = self.proposed + verified, self.accepted + kept
         seq.num_draft_tokens += verified
         seq.num_accepted_tokens += kept
 
 
 class DraftingScheduler(Scheduler):
-    """The scheduler's step, then the drafts: each decode it scheduled that the proposer has a guess for computes the
-    guess too, 1 + k tokens, as far as the step's token budget and the free blocks allow (a draft never preempts)."""
+    """The scheduler, then drafts: each decode scheduled that the proposer has a guess for computes the guess too, as
+    far as the step's token budget and the free blocks allow (a draft never preempts)."""
     def __init__(self, proposer, kv, max_num_seqs, max_num_batched_tokens):
         super().__init__(kv, max_num_seqs, max_num_batched_tokens)
         self.proposer = proposer
@@ -138,10 +130,6 @@ class Verifier:
     def step_failed(self, error):
         self.runner.step_failed(error)
 
-    @property
-    def graphs(self):
-        return self.runner.graphs
-
 
 class NgramProposer(Proposer):
     """Drafts by prompt lookup (vLLM's "ngram")."""
@@ -182,10 +170,8 @@ class NgramProposer(Proposer):
 
 
 class DraftModel:
-    """The draft of vLLM's draft-model speculation: a smaller GPT-2 of the same vocabulary and at least the target's
-    context, on the target's backend. Its K/V sit in the target's blocks, in tensors of its own; it runs over sequence
-    views (view()) with a ModelRunner of its own: on the GPU its one-token steps and lone chunks replay CUDA graphs,
-    as the target's do."""
+    """A smaller GPT-2 of the target's vocabulary and context, on its backend, its K/V in the target's blocks (tensors
+    of its own); it runs over sequence views (view()) with a ModelRunner of its own (on the GPU, graphs too)."""
     def __init__(self, spec, llm):
         path = resolve_model(spec["model"])
         self.config = c = load_config(path)
@@ -204,16 +190,14 @@ class DraftModel:
         self.runner = ModelRunner(self.model, self.kv, engine)
 
     def step(self, views):
-        """{view: its next tokens}, sampled by the keyed race from the draft model's logits: one step, or a graph
-        run's decode steps, as many as each view may still make."""
+        """{view: its next tokens}: one step, or a graph run's, as many as each view may still make."""
         batch = make_batch([(v, len(v.token_ids) - v.num_computed) for v in views], self.kv)
         return {v: got.token_ids for v, got in self.runner.run(batch).items()}
 
 
 class DraftModelProposer(Proposer):
     """Drafts by a smaller model (DraftModel). Per sequence it remembers how many tokens have their draft K/V written
-    and in which blocks (`computed`), and the draft tokens it was fed (`fed`): after the target's step, those the
-    sequence kept have right K/V too."""
+    and in which blocks (`computed`), and the draft tokens it was fed (`fed`): those the target kept have right K/V."""
     def __init__(self, config, llm):
         super().__init__(config, llm.config.n_ctx)
         if config.get("method", "draft_model") != "draft_model":
@@ -233,8 +217,7 @@ class DraftModelProposer(Proposer):
         return [0] * self.room(seq, budget)
 
     def fill(self, seqs):
-        """Each sequence's draft: one forward over its tokens the draft model has not seen (its prompt, the first
-        time) and one a draft token, each draft token sampled with the target's keyed race."""
+        """Each sequence's draft: a forward over its tokens the draft model has not seen, then one a draft token."""
         if not seqs:  # most steps of most workloads
             return
         tables = self.kv.block_tables  # forget the sequences gone
@@ -265,10 +248,9 @@ class DraftModelProposer(Proposer):
 
 
 def view(seq, start, j):
-    """seq as the draft model sees it at draft token j: a Sequence of its tokens and its first j drafts, computing
-    from `start`, sampling (token index num_output + j) with seq's seed and temperature and filters, its logits
-    unedited (no log-probs, penalties, bias or bans: the target's verification applies the request's own), and
-    making no more than the draft's tokens."""
+    """seq as the draft model sees it at draft token j: its tokens and first j drafts, computing from `start`, sampling
+    with its seed, temperature and filters, its logits unedited (the target applies the request's penalties, bias and
+    bans), making no more than the draft's tokens."""
     params = dataclasses.replace(seq.params, max_tokens=seq.num_output + len(seq.draft), min_tokens=0, logprobs=None,
                                  prompt_logprobs=None, repetition_penalty=1.0, presence_penalty=0.0,
                                  frequency_penalty=0.0, logit_bias=None)
@@ -282,9 +264,8 @@ def view(seq, start, j):
 
 def ngram_propose(history, length, remaining, token_base, ndraft, input_ids, positions, slot_mapping, context_lens,
                   row_len, token_index, block_tables, width, block_size, n_ctx, T, n_min, n_max):
-    """kernels.cu's ngram_propose, a row at a time: the row's draft by NgramProposer.propose's rule (the latest end of
-    the longest match of its last n_min..n_max tokens, copied LZ77-style), then its chunk of T queries: last token,
-    draft, pads at the last real position; a finished row is padding."""
+    """kernels.cu's ngram_propose, a row at a time: the row's draft by NgramProposer.propose's rule, then its chunk of
+    T queries: last token, draft, pads at the last real position; a finished row is padding."""
     for b in range(len(length)):
         L, left, ids = int(length[b]), int(remaining[b]), history[b * n_ctx:(b + 1) * n_ctx]
         room = min(T - 1, left - 1) if left > 0 else 0

@@ -263,7 +263,7 @@ def test_speculation_replays_cuda_graphs(tiny, method, monkeypatch):
             want = plain.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids
             for llm in (eager, graphed):
                 assert llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids == want
-    verified = [n for g, n in chunks if g in graphed.runner.graphs.verify.values()] + spec_runs
+    verified = [n for g, n in chunks if g in graphed.runner.runner.graphs.verify.values()] + spec_runs
     assert verified and max(verified) == 4 and (spec_runs or method != "ngram"), chunks
     s = graphed.proposer
     assert s.proposed >= s.accepted > 0
