@@ -149,9 +149,11 @@ class DecodeGraph:
             attention = dict(row_q=ids[:B], row_seq=ids[:B], row_len=d["context_lens"], tile_seq=ids[:0],
                              tile_q0=ids[:0]) if backend.tile_min_q != 1 else dict(
                 row_q=ids[:0], row_seq=ids[:0], row_len=ids[:0], tile_seq=ids[:B], tile_q0=cp.zeros_like(ids[:B]))
-            batch = device_batch(input_ids=d["input_ids"], positions=d["positions"], slot_mapping=d["slot_mapping"],
-                                 context_lens=d["context_lens"], block_tables=d["block_tables"], cu_seqlens_q=ids,
-                                 logits_idx=None, max_row_len=n_ctx, **attention)
+            # kept here: the graph holds the pointers of these arrays, not the arrays (freed, their memory is reused)
+            self.batch = batch = device_batch(
+                input_ids=d["input_ids"], positions=d["positions"], slot_mapping=d["slot_mapping"],
+                context_lens=d["context_lens"], block_tables=d["block_tables"], cu_seqlens_q=ids, logits_idx=None,
+                max_row_len=n_ctx, **attention)
             sampling = {f: d[f] for f in SAMPLING}
             self.start(np.zeros(0, np.int32), {f: [] for f in SAMPLING}, RunPlan(0, *([],) * 4, np.zeros((0, 1))))
 
