@@ -179,7 +179,7 @@ def test_pip_install_gives_import_anywhere(tmp_path):
         "checkpoint.py", "cuda_backend.py", "engine_process.py", "graph_runner.py", "kernels.cu", "nanoinfer.py",
         "paged_kv.py", "parallel.py", "sample.py", "sampling_params.py", "scheduler.py", "serve.py", "speculation.py"]
     code = ("import sys, nanoinfer, cuda_backend, graph_runner, engine_process; print(nanoinfer.__file__, cuda_backend."
-            f"KERNELS_CU.is_file(), [m for m, v in sys.modules.items() if (getattr(v, '__file__', '') or '').startswith({str(HERE)!r})])")
+            f"KERNELS_CU.is_file(), [m for m, v in list(sys.modules.items()) if (getattr(v, '__file__', '') or '').startswith({str(HERE)!r})])")
     r = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(site)}, cwd=tmp_path,
                        capture_output=True, text=True, timeout=120)
     assert r.stdout.split() == [str(site / "nanoinfer.py"), "True", "[]"], r.stderr + r.stdout  # none from the
