@@ -560,8 +560,9 @@ class LLM:
         if sampled.token_ids and seq.index == 0 and seq.num_output == 0:  # a request's first sample, at its first token
             self._requests[seq.request_id].fork(self.kv, self.scheduler)
         for i, token in enumerate(sampled.token_ids):
-            seq.num_computed = len(seq.token_ids)  # every token before the new one has its K/V: a later step of a run
-            if sampled.logits is not None:  # computed it, or it was a guess kept
+            # every token before the new one has its K/V now (a run's later steps computed them, or guesses kept)
+            seq.num_computed = len(seq.token_ids)
+            if sampled.logits is not None:
                 seq.logprobs.append(logprobs_of(sampled.logits[i], token, seq.params.logprobs, self.tokenizer))
             seq.append(token, self.config.n_ctx)
             if seq.finish_reason:
@@ -571,9 +572,8 @@ class LLM:
     @contextlib.contextmanager
     def _all_or_nothing(self):
         """A step, undone if anything in it raises: the runner forgets what it launched, and each sequence the step
-        scheduled goes back as it was, first in line, its blocks freed (as after a preemption: it is recomputed, so no
-        half-written KV is trusted). After an interrupt (Ctrl-C) they wait in line and the interrupt goes on; after an
-        error they finish with it (it would come back), and the engine goes on serving every other request."""
+        scheduled goes back as it was, first in line, its blocks freed (recomputed: no half-written KV is trusted).
+        After an interrupt (Ctrl-C) they wait and the interrupt goes on; after an error they end with it."""
         step = types.SimpleNamespace(saved={}, events=[])  # sequence -> its state before the step; the step's events
         self._stepping = True
         try:
