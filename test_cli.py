@@ -75,6 +75,19 @@ def test_vllm_quickstart_runs_unchanged(tiny):
     assert all(len(ast.literal_eval(line.split(", Generated text: ")[1])) > 0 for line in lines)
 
 
+def test_readme_api_example(tiny):
+    """README's API example as it stands, on the tiny checkpoint on the CPU: each prompt printed with its text, a
+    {"prompt": ...} dict's too (vLLM's RequestOutput.prompt; not None), then a text streamed."""
+    code = re.search(r"## The API.*?```python\n(.*?)```", (HERE / "README.md").read_text(), re.S).group(1)
+    assert code.count('LLM("gpt2")') == 1
+    code = code.replace('LLM("gpt2")', f"LLM({str(tiny.path)!r}, device='cpu')")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tiny.path,
+                       env={**os.environ, "PYTHONPATH": str(HERE)})
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.startswith("Hello, my name is ") and "\nThe capital of France is " in p.stdout, p.stdout
+    assert not re.search("^None ", p.stdout, re.M), p.stdout
+
+
 def test_cli_flags(tiny):
     """--help shows every default and what 0 means; --num-samples prints each text under its own header, saying why
     it stopped; --seed repeats a run and no seed does not; a prompt comes from stdin; --stop ends at a stop string
