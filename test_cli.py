@@ -90,7 +90,7 @@ def test_readme_api_example(tiny):
 
 def test_cli_flags(tiny):
     """--help shows every default and what 0 means; --num-samples prints each text under its own header, saying why
-    it stopped; --seed repeats a run and no seed does not; a prompt comes from stdin; --stop ends at a stop string
+    it stopped; --seed repeats a run and no seed does not, vLLM's names for the flags (--n, --max-tokens) the same; a prompt comes from stdin; --stop ends at a stop string
     and says so; --logprobs prints a line per token; --quantization int8 prints the int8 engine's text."""
     run = lambda *args, stdin=None: subprocess.run(
         [sys.executable, str(HERE / "sample.py"), "--model", str(tiny.path), "--device", "cpu", *args],
@@ -103,6 +103,8 @@ def test_cli_flags(tiny):
     assert "--- [prompt 1/1, sample 2/2] ---\nHi" in two.stdout
     assert two.stderr.count("[stopped: max tokens (4; --max-new-tokens)]") == 2
     again = run("--prompt", "Hi", "--num-samples", "2", "--max-new-tokens", "4", "--ignore-eos", "--seed", "5")
+    vllm = run("--prompt", "Hi", "--n", "2", "--max-tokens", "4", "--ignore-eos", "--seed", "5")  # vLLM's names
+    assert vllm.returncode == 0 and vllm.stdout == two.stdout, vllm.stderr
     fresh = [run("--prompt", "Hi", "--max-new-tokens", "8", "--ignore-eos").stdout for _ in range(2)]
     assert again.stdout == two.stdout and fresh[0] != fresh[1]
     assert run("--prompt-file", "-", "--max-new-tokens", "3", stdin="Hello from stdin").stdout.startswith(
