@@ -90,8 +90,9 @@ def test_readme_api_example(tiny):
 
 def test_cli_flags(tiny):
     """--help shows every default and what 0 means; --num-samples prints each text under its own header, saying why
-    it stopped; --seed repeats a run and no seed does not, vLLM's names for the flags (--n, --max-tokens) the same; a prompt comes from stdin; --stop ends at a stop string
-    and says so; --logprobs prints a line per token; --quantization int8 prints the int8 engine's text."""
+    it stopped; --seed repeats a run and no seed does not; vLLM's names for the flags (--n, --max-tokens) do the
+    same; a prompt comes from stdin; --stop ends at a stop string and says so; --logprobs prints a line per token;
+    --quantization int8 prints the int8 engine's text."""
     run = lambda *args, stdin=None: subprocess.run(
         [sys.executable, str(HERE / "sample.py"), "--model", str(tiny.path), "--device", "cpu", *args],
         input=stdin, capture_output=True, text=True, timeout=120, cwd=HERE)
