@@ -54,8 +54,10 @@ class BadRequest(Exception):
 
 
 def error_response(message, param=None, status=400):
-    kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error"}.get(
-        status, "server_error")
+    """OpenAI's error body; its type says whose fault it is: a 4xx the client's (invalid_request_error unless named
+    here), a 5xx the server's."""
+    kind = {401: "authentication_error", 404: "not_found_error"}.get(
+        status, "invalid_request_error" if status < 500 else "server_error")
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}}, status)
 
 

@@ -199,8 +199,9 @@ def test_server_client_gone_aborts(server):
 
 
 def test_server_bad_requests_get_400(server):
-    """Bad JSON, a bad value (named), an unknown model (404), a prompt past the context, an unsupported field: each
-    gets OpenAI's error body, while a stream beside them finishes as alone."""
+    """Bad JSON, a bad value (named), an unknown model (404), a prompt past the context, an unsupported field, a
+    wrong method (405): each gets OpenAI's error body, a client's error typed as one, while a stream beside them
+    finishes as alone."""
     import httpx
     from openai import BadRequestError, NotFoundError, OpenAI
     url, llm = server
@@ -228,9 +229,11 @@ def test_server_bad_requests_get_400(server):
     defaults = client.completions.create(model="tiny", prompt="a", max_tokens=2, best_of=1, n=1, logit_bias={})
     assert defaults.usage.completion_tokens <= 2
     assert httpx.post(url + "/v1/completions", json=["a"]).status_code == 400
-    for method, route, status in (("GET", "/v1/nowhere", 404), ("GET", "/v1/completions", 405)):
+    for method, route, status, kind in (("GET", "/v1/nowhere", 404, "not_found_error"),
+                                        ("GET", "/v1/completions", 405, "invalid_request_error")):  # the client's fault
         r = httpx.request(method, url + route)
         assert r.status_code == status and r.json()["error"]["message"].startswith(f"{method} {route}")
+        assert r.json()["error"]["type"] == kind
     assert client.models.retrieve("tiny").max_model_len == 128
     with pytest.raises(NotFoundError, match="does not exist"):
         client.models.retrieve("gpt-5")
@@ -454,6 +457,7 @@ def test_server_under_abuse(tiny):
         r = httpx.post(url + "/v1/completions", content=b"[" + b"1," * (9 << 20) + b"1]",
                        headers={"content-type": "application/json"})
         assert r.status_code == 413 and "larger than 16 MiB" in r.json()["error"]["message"]
+        assert r.json()["error"]["type"] == "invalid_request_error"  # the client's fault, not the server's
         llm = LLM(str(tiny.path), device="cpu")
         prompts = [f"Turn {i}:" for i in range(8)]
         want = [o.outputs[0].text for o in llm.generate(prompts, greedy(12), use_tqdm=False)]
