@@ -176,8 +176,9 @@ def stream_to_terminal(llm, prompts, params):
         return 141
     dt = time.perf_counter() - t0
     ttft = f"{(t_first - t0) * 1e3:.0f} ms" if t_first else "-"
-    print(f"[{llm.backend.name}] time to first token {ttft}, {n_tokens} tokens in {dt:.2f} s, "
-          f"{n_tokens / dt:.1f} tokens/s", file=sys.stderr)
+    if n_tokens:  # none (every prompt refused, or Ctrl-C before the first): no speed to speak of
+        print(f"[{llm.backend.name}] time to first token {ttft}, {n_tokens} tokens in {dt:.2f} s, "
+              f"{n_tokens / dt:.1f} tokens/s", file=sys.stderr)
     return status or (1 if failed else 0)
 
 

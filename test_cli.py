@@ -128,6 +128,10 @@ def test_cli_refused_prompt_exits_1(tiny):
     out, err = (s.decode() for s in p.communicate(timeout=120))
     assert p.returncode == 1 and "prompt 2 refused" in err and "context" in err and "Traceback" not in err
     assert out.startswith("--- [1/2] ---\nHi") and "refused" not in out and "a a a" not in out  # not echoed
+    alone = run_sample(["--model", str(tiny.path), "--device", "cpu", "--prompt", "a " * 200])
+    out, err = (s.decode() for s in alone.communicate(timeout=120))
+    assert alone.returncode == 1 and err.rstrip().splitlines()[-1].startswith("error: prompt 1 refused: "), err
+    assert out.strip() == "" and "tokens/s" not in err  # nothing ran: no speed line (0 tokens in 0.00 s) either
     bad = run_sample(["--model", str(tiny.path), "--device", "cpu", "--num-samples", "0"])
     _, err = (s.decode() for s in bad.communicate(timeout=120))
     assert bad.returncode == 2 and "--num-samples 0: must be an integer in [1, 256]" in err and "SamplingParams" not in err
