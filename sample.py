@@ -32,7 +32,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     ap.add_argument("--prompt", action="append", default=[],
                     help="a prompt (repeat for several; none: one empty prompt, generating unconditionally)")
-    ap.add_argument("--prompt-file", action="append", default=[], help="a file whose text is a prompt; - reads stdin")
+    ap.add_argument("--prompt-file", action="append", default=[],
+                    help="a file whose text, less its final newline, is a prompt; - reads stdin")
     ap.add_argument("--model", default="gpt2", help="gpt2, gpt2-medium, -large, -xl, distilgpt2, a directory, or "
                     "random:gpt2 (random weights at a GPT-2 size: no network, the text is noise)")
     ap.add_argument("--max-new-tokens", "--max-tokens", type=int, default=100, metavar="N",
@@ -82,10 +83,13 @@ FLAGS = {"n": "--num-samples", "max_tokens": "--max-new-tokens", "temperature": 
 
 
 def read_prompt(ap, name):
+    """A --prompt-file's text, less its final newline: the end of its last line (as echo and editors write it), not
+    something to continue from."""
     try:
-        return sys.stdin.read() if name == "-" else open(name, encoding="utf-8").read()
+        text = sys.stdin.read() if name == "-" else open(name, encoding="utf-8").read()
     except (OSError, UnicodeDecodeError) as e:
         ap.error(f"--prompt-file {name}: {e}")
+    return text.removesuffix("\n").removesuffix("\r")
 
 
 def why_stopped(llm, out, sample):

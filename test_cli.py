@@ -88,11 +88,11 @@ def test_readme_api_example(tiny):
     assert not re.search("^None ", p.stdout, re.M), p.stdout
 
 
-def test_cli_flags(tiny):
+def test_cli_flags(tiny, tmp_path):
     """--help shows every default and what 0 means; --num-samples prints each text under its own header, saying why
     it stopped; --seed repeats a run and no seed does not; vLLM's names for the flags (--n, --max-tokens) do the
-    same; a prompt comes from stdin; --stop ends at a stop string and says so; --logprobs prints a line per token;
-    --quantization int8 prints the int8 engine's text."""
+    same; a prompt comes from stdin or a file, less its final newline; --stop ends at a stop string and says so;
+    --logprobs prints a line per token; --quantization int8 prints the int8 engine's text."""
     run = lambda *args, stdin=None: subprocess.run(
         [sys.executable, str(HERE / "sample.py"), "--model", str(tiny.path), "--device", "cpu", *args],
         input=stdin, capture_output=True, text=True, timeout=120, cwd=HERE)
@@ -108,8 +108,11 @@ def test_cli_flags(tiny):
     assert vllm.returncode == 0 and vllm.stdout == two.stdout, vllm.stderr
     fresh = [run("--prompt", "Hi", "--max-new-tokens", "8", "--ignore-eos").stdout for _ in range(2)]
     assert again.stdout == two.stdout and fresh[0] != fresh[1]
-    assert run("--prompt-file", "-", "--max-new-tokens", "3", stdin="Hello from stdin").stdout.startswith(
-        "Hello from stdin")
+    typed = run("--prompt", "Hello from stdin", "--max-new-tokens", "3", "--temperature", "0").stdout
+    (tmp_path / "prompt.txt").write_text("Hello from stdin\n")
+    for name in ("-", str(tmp_path / "prompt.txt")):  # the final newline, as echo and editors end a text, is dropped
+        got = run("--prompt-file", name, "--max-new-tokens", "3", "--temperature", "0", stdin="Hello from stdin\n")
+        assert got.stdout == typed and typed.startswith("Hello from stdin"), (got.stdout, typed)
     greedy_text = run("--prompt", "Hi", "--temperature", "0", "--max-new-tokens", "12", "--ignore-eos").stdout
     stop = greedy_text[len("Hi"):].strip()[3:6]
     cut = run("--prompt", "Hi", "--temperature", "0", "--max-new-tokens", "12", "--ignore-eos", "--stop", stop)
