@@ -64,9 +64,11 @@ def resolve_model(model):
                                 "or a directory holding " + ", ".join(MODEL_FILES))
     from huggingface_hub import constants, hf_hub_download
     repo = HF_REPOS[model]
+    size = model if model in SIZES else "gpt2"
     later = (f"download it on a connected machine with `hf download {repo} {' '.join(MODEL_FILES)}` (it goes to "
              "the Hugging Face cache, HF_HOME), or pass --model PATH to a local directory holding "
-             + ", ".join(MODEL_FILES))
+             f"{', '.join(MODEL_FILES)}; with neither, --model random:{size} runs now (random weights at its shapes, "
+             "made here with no network: the text is noise, the speed real)")
     try:  # the cached copy first, with no network round trip
         return Path([hf_hub_download(repo, name, local_files_only=True) for name in MODEL_FILES][0]).parent
     except Exception:
