@@ -127,18 +127,22 @@ def test_unknown_model_name():
         LLM("random:gpt5", device="cpu")
 
 
-def test_random_model_runs_with_no_network(tmp_path, monkeypatch):
+def test_random_model_runs_with_no_network(tmp_path, monkeypatch, capsys):
     """`random:gpt2`: GPT-2 124M's shapes with random weights, written once to the cache (HF_HUB_OFFLINE set, no
-    network needed), then read again from it; the engine loads it and generates; its logits are those of
-    transformers on the same files (the weights are what was written)."""
+    network needed), saying where and how large, with a progress bar while it makes them; then read again from it,
+    silently; the engine loads it and generates; its logits are those of transformers on the same files (the
+    weights are what was written)."""
     import torch
     from transformers import GPT2LMHeadModel
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     path = ni.resolve_model("random:gpt2")
     assert path == tmp_path / "nanoinfer" / "random-gpt2" and ni.load_config(path).n_layer == 12
+    err = capsys.readouterr().err
+    assert f"nanoinfer: making random:gpt2 (249 MB) once, in {path}" in err and "100%" in err, err
     stamp = (path / "model.safetensors").stat().st_mtime_ns
     assert ni.resolve_model("random:gpt2") == path and (path / "model.safetensors").stat().st_mtime_ns == stamp
+    assert capsys.readouterr().err == ""
     llm = LLM("random:gpt2", device="cpu", num_kv_tokens=256)
     out = llm.generate(["Hello"], greedy(4), use_tqdm=False)[0]
     with torch.no_grad():
