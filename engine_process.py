@@ -22,10 +22,19 @@ from sampling_params import RequestOutput
 
 
 def engine_main(engine_args, conns):
-    """The engine process: build the LLM, tell each server it is ready, then step it, reading the servers' messages
-    between steps (waiting for one while idle). It ends when every server has said stop or gone away, or on SIGTERM."""
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # as an exit: what it holds is released, and
-    # multiprocessing's resource tracker has no semaphore left to warn of (tqdm's lock)
+    """The engine process (run_engine). A SIGTERM ends it as an exit would, so that what it holds is released and
+    multiprocessing's resource tracker has no semaphore left to warn of (tqdm's lock); only while it runs, though: in
+    the interpreter's own exit after it, an exception would break into an atexit callback, with its traceback."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
+    try:
+        run_engine(engine_args, conns)
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def run_engine(engine_args, conns):
+    """Build the LLM, tell each server it is ready, then step it, reading the servers' messages between steps
+    (waiting for one while idle). It ends when every server has said stop or gone away."""
     multiprocessing.current_process().daemon = False  # (here) so that it may start tensor-parallel ranks: they exit
     # with it; the servers still end it as a daemon
     from nanoinfer import LLM, log
