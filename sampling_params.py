@@ -111,10 +111,15 @@ class RequestOutput:  # as vLLM's, and `error`: why a request failed or was refu
     num_draft_tokens: int = 0  # speculative decoding: draft tokens the target verified (its samples' sum)
     num_accepted_tokens: int = 0  # ... and kept
 
+    @staticmethod
+    def prompt_text(prompt):
+        """RequestOutput.prompt, as vLLM's: the prompt's text (a string, or vLLM's {"prompt": ...}); None for ids."""
+        text = prompt.get("prompt") if isinstance(prompt, dict) else prompt
+        return text if isinstance(text, str) else None
+
     @classmethod
     def refused(cls, prompt, error):
-        return cls(None, prompt if isinstance(prompt, str) else None, [], [CompletionOutput(0, finish_reason="error")],
-                   error=str(error))
+        return cls(None, cls.prompt_text(prompt), [], [CompletionOutput(0, finish_reason="error")], error=str(error))
 
 
 @dataclass

@@ -15,9 +15,11 @@ free at once.
 """
 import argparse
 import asyncio
+import contextlib
 import hmac
 import json
 import multiprocessing
+import os
 import re
 import signal
 import socket
@@ -32,7 +34,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from engine_process import EngineProcess, start_engine
+from engine_process import EngineProcess, sigint_ignored, start_engine
 from nanoinfer import log
 from sampling_params import SamplingParams, refuse_request
 from sample import json_object
@@ -42,6 +44,7 @@ SAMPLING_FIELDS = ("n", "max_tokens", "temperature", "top_p", "stop", "seed", "p
                    "frequency_penalty", "logprobs", "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos",
                    "stop_token_ids", "include_stop_str_in_output")
 MAX_BODY = 16 << 20  # bytes of a request body at most (a whole context of token ids is ~10 KB)
+GRACE_S = 3  # after a Ctrl-C, seconds that requests in flight may run on before they are aborted
 # GPT-2 has no chat template: each message on its own lines as "role: content", then "assistant:" to answer
 DEFAULT_CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n\n{% endfor %}"
                          "{% if add_generation_prompt %}assistant:{% endif %}")
@@ -54,8 +57,10 @@ class BadRequest(Exception):
 
 
 def error_response(message, param=None, status=400):
-    kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error"}.get(
-        status, "server_error")
+    """OpenAI's error body; its type says whose fault it is: a 4xx the client's (invalid_request_error unless named
+    here), a 5xx the server's."""
+    kind = {401: "authentication_error", 404: "not_found_error"}.get(
+        status, "invalid_request_error" if status < 500 else "server_error")
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}}, status)
 
 
@@ -531,27 +536,89 @@ def main():
     # the other HTTP servers (--api-server-count): processes of their own, accepting on the same socket
     others = [multiprocessing.get_context("spawn").Process(target=api_server, args=(conn, sock, args), name="api")
               for conn in conns[1:]]
-    for p in others:
-        p.start()
-    # SIGTERM: uvicorn stops accepting, lets requests in flight finish (30 s at most; then they are aborted), and raises
-    # the signal again once down, for this handler to exit 0
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    return serve_all(engine, others, conns[1:], sock, args)
+
+
+def serve_all(engine, others, their_conns, sock, args):
+    """Serve, in this process and the others, until a signal (HttpServer); then stop them all and the engine. The
+    exit status: 130 after a Ctrl-C, else 0."""
+    with sigint_ignored():  # until their uvicorn takes it: this server passes a Ctrl-C on (interrupted)
+        for p in others:
+            p.start()
+    for conn in their_conns:  # theirs alone now: one that dies unannounced (SIGTERM while importing) reads as gone
+        conn.close()  # to the engine, which would otherwise wait for it
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # until uvicorn is up: nothing in flight to finish
+
+    def interrupted():  # the first Ctrl-C: one line, and the other servers stop as this one does (from a terminal
+        # they have it already: a second changes nothing for them)
+        log(f"interrupted: no new requests; those in flight have {GRACE_S} s to finish, then are aborted "
+            "(Ctrl-C again: quit now)")
+        for p in others:
+            os.kill(p.pid, signal.SIGINT)
+
+    def quit_now(*_):  # a second Ctrl-C: no one waits (the engine's tensor-parallel ranks end with it)
+        for p in others:
+            p.kill()
+        engine.process.terminate()  # it exits at its next bytecode (engine_main), which is soon unless it hangs
+        engine.process.join(timeout=1)
+        engine.process.kill()
+        os._exit(130)
+
     log(f"serving {args.served_model_name or args.model} on http://{args.host}:{args.port}/v1" +
-        (f" ({len(conns)} HTTP server processes)" if others else ""))
+        (f" ({len(others) + 1} HTTP server processes)" if others else ""))
     try:
-        serve_http(engine, sock, args)
+        stopped_by_ctrl_c = serve_http(engine, sock, args, interrupted, quit_now)
+        signal.signal(signal.SIGINT, quit_now)  # what is left is stopping: a Ctrl-C now need not wait for it
     finally:
         for p in others:  # SIGTERM: each finishes its requests as this one did
             p.terminate()
         for p in others:
             p.join(timeout=35)
         engine.stop()  # the engine process ends once every server has stopped
+    return 130 if stopped_by_ctrl_c else 0
 
 
-def serve_http(engine, sock, args):
-    """One HTTP server process: uvicorn on the socket, its routes over its pipe to the engine."""
+class HttpServer(uvicorn.Server):
+    """uvicorn's server, stopped by a signal as serve.py promises. SIGTERM: uvicorn's graceful shutdown (no new
+    connections; requests in flight finish, 30 s at most). SIGINT (Ctrl-C): the same, but the requests still in flight
+    after GRACE_S are aborted, each ending as usual (finish_reason "abort"), and on_interrupt is called; a second
+    SIGINT calls quit_now (None: it changes nothing)."""
+    def __init__(self, config, engine, on_interrupt=None, quit_now=None):
+        super().__init__(config)
+        self.engine, self.on_interrupt, self.quit_now, self.interrupted = engine, on_interrupt, quit_now, False
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        # uvicorn's own also raises each signal again once the server is down, for the handler it replaced: for a
+        # SIGINT, asyncio.run's, whose KeyboardInterrupt ends in two tracebacks. Here the caller exits by itself.
+        self.loop = asyncio.get_running_loop()
+        before = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in before.items():
+                signal.signal(sig, handler)
+
+    def handle_exit(self, sig, frame):
+        self.should_exit = True  # uvicorn's main loop sees it within 0.1 s and shuts down
+        if sig == signal.SIGINT and self.interrupted and self.quit_now:
+            self.quit_now()
+        elif sig == signal.SIGINT and not self.interrupted:
+            self.interrupted = True
+            # a signal handler runs between two bytecodes of the loop's thread: the loop's own call sets the timer
+            self.loop.call_soon_threadsafe(self.loop.call_later, GRACE_S, self.engine.abort_all)
+            if self.on_interrupt:
+                self.on_interrupt()
+
+
+def serve_http(engine, sock, args, on_interrupt=None, quit_now=None):
+    """One HTTP server process: uvicorn on the socket, its routes over its pipe to the engine. Whether a Ctrl-C
+    stopped it."""
     app = make_app(engine, args.served_model_name or args.model, args.chat_template, args.api_key)
-    uvicorn.Server(uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=30)).run(sockets=[sock])
+    server = HttpServer(uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=30), engine, on_interrupt,
+                        quit_now)
+    server.run(sockets=[sock])
+    return server.interrupted
 
 
 def api_server(conn, sock, args):
@@ -565,4 +632,8 @@ def api_server(conn, sock, args):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # while the model loads: nothing is in flight yet
+        log("interrupted before the server was up")
+        sys.exit(130)

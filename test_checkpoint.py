@@ -16,8 +16,8 @@ from types import SimpleNamespace
 import pytest
 
 import nanoinfer as ni
-from conftest import (BAD_CONFIGS, CPU, EOT, _corrupt, _edit_config, _free_port, _run_py, greedy, hf_greedy, make_llm,
-                      tokens)
+from conftest import (BAD_CONFIGS, CPU, EOT, HERE, _corrupt, _edit_config, _free_port, _run_py, greedy, hf_greedy,
+                      make_llm, tokens)
 from nanoinfer import LLM, SamplingParams
 from scheduler import Sequence
 
@@ -127,18 +127,22 @@ def test_unknown_model_name():
         LLM("random:gpt5", device="cpu")
 
 
-def test_random_model_runs_with_no_network(tmp_path, monkeypatch):
+def test_random_model_runs_with_no_network(tmp_path, monkeypatch, capsys):
     """`random:gpt2`: GPT-2 124M's shapes with random weights, written once to the cache (HF_HUB_OFFLINE set, no
-    network needed), then read again from it; the engine loads it and generates; its logits are those of
-    transformers on the same files (the weights are what was written)."""
+    network needed), saying where and how large, with a progress bar while it makes them; then read again from it,
+    silently; the engine loads it and generates; its logits are those of transformers on the same files (the
+    weights are what was written)."""
     import torch
     from transformers import GPT2LMHeadModel
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     path = ni.resolve_model("random:gpt2")
     assert path == tmp_path / "nanoinfer" / "random-gpt2" and ni.load_config(path).n_layer == 12
+    err = capsys.readouterr().err
+    assert f"nanoinfer: making random:gpt2 (249 MB) once, in {path}" in err and "100%" in err, err
     stamp = (path / "model.safetensors").stat().st_mtime_ns
     assert ni.resolve_model("random:gpt2") == path and (path / "model.safetensors").stat().st_mtime_ns == stamp
+    assert capsys.readouterr().err == ""
     llm = LLM("random:gpt2", device="cpu", num_kv_tokens=256)
     out = llm.generate(["Hello"], greedy(4), use_tqdm=False)[0]
     with torch.no_grad():
@@ -164,16 +168,22 @@ def test_cuda_on_a_gpu_before_hopper(monkeypatch, capsys):
 def test_offline_error_says_what_to_do(tmp_path):
     """--model gpt2 with nothing cached: with the Hub unreachable, at once (no retries with backoff: they took 23 s),
     an error saying to connect once, download it with `hf download`, or pass a directory, and naming HF_HUB_OFFLINE;
-    with HF_HUB_OFFLINE=1, without trying the network, an error naming it."""
+    with HF_HUB_OFFLINE=1, without trying the network, an error naming it. Either names what runs with no Hub and no
+    model at all, --model random:gpt2 (random:gpt2-medium for gpt2-medium); sample.py and serve.py say the same."""
     env = {"HF_HUB_CACHE": str(tmp_path / "cache"), "HF_HOME": str(tmp_path / "home")}
-    code = "import nanoinfer; nanoinfer.LLM('gpt2', device='cpu')"
-    for extra, words in (({"HF_ENDPOINT": f"http://127.0.0.1:{_free_port()}"}, ("network", "HF_HUB_OFFLINE=1")),
-                         ({"HF_HUB_OFFLINE": "1"}, ("HF_HUB_OFFLINE=1", "forbids"))):
-        r = _run_py(code, {**env, **extra}, tmp_path)
+    closed = {"HF_ENDPOINT": f"http://127.0.0.1:{_free_port()}"}
+    for model, extra, words in (("gpt2", closed, ("network", "HF_HUB_OFFLINE=1")),
+                                ("gpt2", {"HF_HUB_OFFLINE": "1"}, ("HF_HUB_OFFLINE=1", "forbids")),
+                                ("gpt2-medium", {"HF_HUB_OFFLINE": "1"}, ("HF_HUB_OFFLINE=1", "forbids"))):
+        r = _run_py(f"import nanoinfer; nanoinfer.LLM({model!r}, device='cpu')", {**env, **extra}, tmp_path)
         assert r.returncode != 0
         msg = r.stderr.strip().splitlines()[-1]
-        assert "gpt2" in msg and "hf download openai-community/gpt2" in msg and "directory" in msg, r.stderr
-        assert all(w in msg for w in words), msg
+        assert f"hf download openai-community/{model} " in msg and "directory" in msg, r.stderr
+        assert f"--model random:{model} " in msg and all(w in msg for w in words), msg
+    for script in (["sample.py", "--prompt", "Hi"], ["serve.py", "--port", str(_free_port())]):
+        r = _run_py(f"import runpy, sys; sys.argv = {script!r}; runpy.run_path({script[0]!r}, run_name='__main__')",
+                    {**env, **closed}, HERE)
+        assert r.returncode == 1 and "--model random:gpt2 " in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
 class _Hub(BaseHTTPRequestHandler):

@@ -8,9 +8,11 @@ on a closed pipe).
 import ast
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -73,10 +75,24 @@ def test_vllm_quickstart_runs_unchanged(tiny):
     assert all(len(ast.literal_eval(line.split(", Generated text: ")[1])) > 0 for line in lines)
 
 
-def test_cli_flags(tiny):
+def test_readme_api_example(tiny):
+    """README's API example as it stands, on the tiny checkpoint on the CPU: each prompt printed with its text, a
+    {"prompt": ...} dict's too (vLLM's RequestOutput.prompt; not None), then a text streamed."""
+    code = re.search(r"## The API.*?```python\n(.*?)```", (HERE / "README.md").read_text(), re.S).group(1)
+    assert code.count('LLM("gpt2")') == 1
+    code = code.replace('LLM("gpt2")', f"LLM({str(tiny.path)!r}, device='cpu')")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tiny.path,
+                       env={**os.environ, "PYTHONPATH": str(HERE)})
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.startswith("Hello, my name is ") and "\nThe capital of France is " in p.stdout, p.stdout
+    assert not re.search("^None ", p.stdout, re.M), p.stdout
+
+
+def test_cli_flags(tiny, tmp_path):
     """--help shows every default and what 0 means; --num-samples prints each text under its own header, saying why
-    it stopped; --seed repeats a run and no seed does not; a prompt comes from stdin; --stop ends at a stop string
-    and says so; --logprobs prints a line per token; --quantization int8 prints the int8 engine's text."""
+    it stopped; --seed repeats a run and no seed does not; vLLM's names for the flags (--n, --max-tokens) do the
+    same; a prompt comes from stdin or a file, less its final newline; --stop ends at a stop string and says so;
+    --logprobs prints a line per token; --quantization int8 prints the int8 engine's text."""
     run = lambda *args, stdin=None: subprocess.run(
         [sys.executable, str(HERE / "sample.py"), "--model", str(tiny.path), "--device", "cpu", *args],
         input=stdin, capture_output=True, text=True, timeout=120, cwd=HERE)
@@ -88,10 +104,15 @@ def test_cli_flags(tiny):
     assert "--- [prompt 1/1, sample 2/2] ---\nHi" in two.stdout
     assert two.stderr.count("[stopped: max tokens (4; --max-new-tokens)]") == 2
     again = run("--prompt", "Hi", "--num-samples", "2", "--max-new-tokens", "4", "--ignore-eos", "--seed", "5")
+    vllm = run("--prompt", "Hi", "--n", "2", "--max-tokens", "4", "--ignore-eos", "--seed", "5")  # vLLM's names
+    assert vllm.returncode == 0 and vllm.stdout == two.stdout, vllm.stderr
     fresh = [run("--prompt", "Hi", "--max-new-tokens", "8", "--ignore-eos").stdout for _ in range(2)]
     assert again.stdout == two.stdout and fresh[0] != fresh[1]
-    assert run("--prompt-file", "-", "--max-new-tokens", "3", stdin="Hello from stdin").stdout.startswith(
-        "Hello from stdin")
+    typed = run("--prompt", "Hello from stdin", "--max-new-tokens", "3", "--temperature", "0").stdout
+    (tmp_path / "prompt.txt").write_text("Hello from stdin\n")
+    for name in ("-", str(tmp_path / "prompt.txt")):  # the final newline, as echo and editors end a text, is dropped
+        got = run("--prompt-file", name, "--max-new-tokens", "3", "--temperature", "0", stdin="Hello from stdin\n")
+        assert got.stdout == typed and typed.startswith("Hello from stdin"), (got.stdout, typed)
     greedy_text = run("--prompt", "Hi", "--temperature", "0", "--max-new-tokens", "12", "--ignore-eos").stdout
     stop = greedy_text[len("Hi"):].strip()[3:6]
     cut = run("--prompt", "Hi", "--temperature", "0", "--max-new-tokens", "12", "--ignore-eos", "--stop", stop)
@@ -110,6 +131,10 @@ def test_cli_refused_prompt_exits_1(tiny):
     out, err = (s.decode() for s in p.communicate(timeout=120))
     assert p.returncode == 1 and "prompt 2 refused" in err and "context" in err and "Traceback" not in err
     assert out.startswith("--- [1/2] ---\nHi") and "refused" not in out and "a a a" not in out  # not echoed
+    alone = run_sample(["--model", str(tiny.path), "--device", "cpu", "--prompt", "a " * 200])
+    out, err = (s.decode() for s in alone.communicate(timeout=120))
+    assert alone.returncode == 1 and err.rstrip().splitlines()[-1].startswith("error: prompt 1 refused: "), err
+    assert out.strip() == "" and "tokens/s" not in err  # nothing ran: no speed line (0 tokens in 0.00 s) either
     bad = run_sample(["--model", str(tiny.path), "--device", "cpu", "--num-samples", "0"])
     _, err = (s.decode() for s in bad.communicate(timeout=120))
     assert bad.returncode == 2 and "--num-samples 0: must be an integer in [1, 256]" in err and "SamplingParams" not in err
@@ -167,23 +192,44 @@ def test_cli_bad_model_or_flag_never_a_traceback(tiny, tmp_path, how):
     assert p.returncode == 0  # a k past the vocabulary is off
 
 
+IMPORT_ANYWHERE = """
+import sys, sysconfig
+from pathlib import Path
+import nanoinfer, cuda_backend, graph_runner, engine_process
+checkouts = [Path(c) for c in sys.argv[1:]]
+print(sysconfig.get_path("purelib"))
+print(nanoinfer.__file__, cuda_backend.KERNELS_CU.is_file())
+# by path components: as strings, every path in ~/nanoinfer-venv starts with ~/nanoinfer
+inside = lambda file: any(Path(file).is_relative_to(c) for c in checkouts)
+print([m for m, v in list(sys.modules.items()) if inside(getattr(v, "__file__", None) or "")])  # (CuPy imports more)
+"""
+
+
 def test_pip_install_gives_import_anywhere(tmp_path):
-    """pip install of the checkout (what `pip install git+URL` builds, here without the network): the engine's
-    modules and kernels.cu land flat in site-packages, and import nanoinfer works from any directory, the CUDA source
-    beside cuda_backend.py."""
-    site = tmp_path / "site"
-    r = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index",
-                        "--target", str(site), str(HERE)], capture_output=True, text=True, timeout=300)
+    """pip install of a checkout (what `pip install git+URL` builds, here without the network) into a virtual
+    environment beside it, named as a user names the two (~/nanoinfer, ~/nanoinfer-venv: one path a prefix of the
+    other): the engine's modules and kernels.cu land flat in the venv's site-packages, and import nanoinfer works from
+    any directory, the CUDA source beside cuda_backend.py, no module coming from a checkout (an editable install puts
+    one on sys.path too, which would hide a module the wheel left out)."""
+    checkout, venv = tmp_path / "nanoinfer", tmp_path / "nanoinfer-venv"  # a copy: nothing is written beside HERE
+    checkout.mkdir()
+    for f in [*HERE.glob("*.py"), *HERE.glob("*.cu"), HERE / "pyproject.toml", HERE / "README.md"]:
+        shutil.copy(f, checkout)
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True,
+                   timeout=120)  # the packages it needs are this interpreter's, pip and hatchling too
+    python = str(venv / "bin" / "python")
+    r = subprocess.run([python, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index",
+                        str(checkout)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
-    assert sorted(p.name for p in site.iterdir() if p.suffix in (".py", ".cu")) == [
+    r = subprocess.run([python, "-c", IMPORT_ANYWHERE, str(HERE), str(checkout)], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=120, env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert r.returncode == 0, r.stderr
+    site, loaded, from_checkouts = r.stdout.splitlines()
+    assert Path(site).is_relative_to(venv) and loaded == f"{Path(site) / 'nanoinfer.py'} True", r.stdout
+    assert from_checkouts == "[]", from_checkouts
+    assert sorted(p.name for p in Path(site).iterdir() if p.suffix in (".py", ".cu")) == [
         "checkpoint.py", "cuda_backend.py", "engine_process.py", "graph_runner.py", "kernels.cu", "nanoinfer.py",
         "paged_kv.py", "parallel.py", "sample.py", "sampling_params.py", "scheduler.py", "serve.py", "speculation.py"]
-    code = ("import sys, nanoinfer, cuda_backend, graph_runner, engine_process; print(nanoinfer.__file__, cuda_backend."
-            f"KERNELS_CU.is_file(), [m for m, v in list(sys.modules.items()) if (getattr(v, '__file__', '') or '').startswith({str(HERE)!r})])")
-    r = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(site)}, cwd=tmp_path,
-                       capture_output=True, text=True, timeout=120)
-    assert r.stdout.split() == [str(site / "nanoinfer.py"), "True", "[]"], r.stderr + r.stdout  # none from the
-    # checkout (an editable install puts it on sys.path too, which would hide a module the wheel left out)
 
 
 def test_bench_without_a_gpu_says_so():

@@ -30,10 +30,15 @@ from scheduler import Sequence
 # bad input and arguments: refused, naming what is wrong, and the rest run on
 
 def test_too_long_prompt_refused_alone(tiny):
-    """A prompt of n_ctx tokens is refused with an error about the context; the requests beside it finish."""
+    """A prompt of n_ctx tokens is refused with an error about the context, where README says: its RequestOutput's
+    `error`, its one sample's text empty; the requests beside it finish. Each output gives back its prompt's text, a
+    string's or a {"prompt": ...} dict's, as vLLM's does (None for token ids)."""
     llm = make_llm(tiny, CPU)
-    outs = llm.generate(["Hello world", random_ids(tiny.n_ctx, 5), "I"], greedy(5))
+    long = "a " * tiny.n_ctx
+    outs = llm.generate(["Hello world", random_ids(tiny.n_ctx, 5), {"prompt": "I"}, {"prompt": long}], greedy(5))
     assert outs[1].outputs[0].finish_reason == "error" and "context" in outs[1].error
+    assert (outs[1].outputs[0].text, outs[1].outputs[0].stop_reason) == ("", None)
+    assert [o.prompt for o in outs] == ["Hello world", None, "I", long] and outs[3].error
     assert [o.outputs[0].finish_reason for o in (outs[0], outs[2])] == ["length"] * 2
     assert outs[0].outputs[0].token_ids == solo(tiny, CPU, outs[0].prompt_token_ids, greedy(5))
     with pytest.raises(ValueError, match="context"):

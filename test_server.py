@@ -6,13 +6,15 @@ every test the server's engine holds no request and every KV block is free (its 
 """
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
-from conftest import HERE, _free_port, greedy
+from conftest import HERE, _free_port, greedy, write_checkpoint
 from nanoinfer import LLM, SamplingParams
 
 
@@ -42,6 +44,22 @@ def server(tiny):
     yield url, LLM(str(tiny.path), device="cpu")
     proc.terminate()
     assert proc.wait(timeout=30) == 0
+
+
+def children(pid):
+    """The processes pid has started and that are still its children (Linux's /proc)."""
+    return [int(c) for c in open(f"/proc/{pid}/task/{pid}/children").read().split()]
+
+
+def wait_gone(pids):
+    """Those of pids still alive after 10 s (multiprocessing's resource tracker leaves once its pipe closes)."""
+    alive = lambda: [k for k in pids if os.path.exists(f"/proc/{k}") and  # noqa: E731
+                     "zombie" not in open(f"/proc/{k}/status").read()]
+    for _ in range(100):
+        if not alive():
+            break
+        threading.Event().wait(0.1)
+    return alive()
 
 
 def server_metrics(url):
@@ -148,7 +166,6 @@ def test_server_with_two_http_processes(tiny):
     import httpx
     proc, url = start_server(tiny, "--api-server-count", "2", "--tensor-parallel-size", "2",
                              "--distributed-executor-backend", "mp")
-    children = lambda pid: [int(c) for c in open(f"/proc/{pid}/task/{pid}/children").read().split()]  # noqa: E731
     ranks = []
     try:
         spawned = [k for k in children(proc.pid) if b"spawn_main" in open(f"/proc/{k}/cmdline", "rb").read()]
@@ -168,13 +185,48 @@ def test_server_with_two_http_processes(tiny):
         kids = children(proc.pid) + ranks
         proc.terminate()
         assert proc.wait(timeout=60) == 0
-    alive = lambda: [k for k in kids if os.path.exists(f"/proc/{k}") and  # noqa: E731
-                     "zombie" not in open(f"/proc/{k}/status").read()]
-    for _ in range(100):  # multiprocessing's resource tracker leaves once its pipe closes: give it 10 s
-        if not alive():
-            break
-        threading.Event().wait(0.1)
-    assert not alive()
+    assert not wait_gone(kids)
+
+
+def test_server_ctrl_c(tmp_path):
+    """Ctrl-C, a SIGINT to serve.py's pid, with two HTTP server processes and a stream in flight that would run on for
+    many seconds: the stream goes on for serve.py's grace, then each sample ends as aborted, then [DONE]; serve.py
+    exits 130 a few seconds after the signal, saying so in one line, no traceback, no process it started left. A
+    second Ctrl-C quits at once, leaving none either; so does one while the second HTTP process is still starting."""
+    import httpx
+
+    import serve
+    long = write_checkpoint(tmp_path / "long", seed=0, n_positions=1024)  # room for a long stream
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 1000, "n": 32, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    for presses in (1, 2):
+        proc, url = start_server(long, *(("--api-server-count", "2") if presses == 1 else ()))
+        kids, rest = children(proc.pid), []
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            next(lines)  # under way
+            start = time.monotonic()
+            for _ in range(presses):
+                proc.send_signal(signal.SIGINT)
+                time.sleep(0.5)  # two signals at once would be taken as one
+            try:
+                rest = list(lines)
+            except httpx.TransportError:  # quit at once: the connection breaks off
+                assert presses == 2
+        code, took = proc.wait(timeout=60), time.monotonic() - start
+        err = proc.stderr.read().decode()
+        assert code == 130 and "Traceback" not in err and "Warning" not in err and err.count("interrupted") == 1, err
+        assert took < (serve.GRACE_S + 8 if presses == 1 else 3), took
+        assert not wait_gone(kids)
+        if presses == 1:
+            aborted = sum(line.count('"finish_reason": "abort"') for line in rest)
+            assert aborted == 32 and rest[-2:] == ["data: [DONE]", ""], rest[-3:]
+    proc, _ = start_server(long, "--api-server-count", "2")  # the second HTTP process is still starting
+    kids, start = children(proc.pid), time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    code, took, err = proc.wait(timeout=60), time.monotonic() - start, proc.stderr.read().decode()
+    assert code == 130 and took < 5 and "Traceback" not in err, (took, err)
+    assert not wait_gone(kids)
 
 
 def test_server_client_gone_aborts(server):
@@ -199,8 +251,9 @@ def test_server_client_gone_aborts(server):
 
 
 def test_server_bad_requests_get_400(server):
-    """Bad JSON, a bad value (named), an unknown model (404), a prompt past the context, an unsupported field: each
-    gets OpenAI's error body, while a stream beside them finishes as alone."""
+    """Bad JSON, a bad value (named), an unknown model (404), a prompt past the context, an unsupported field, a
+    wrong method (405): each gets OpenAI's error body, a client's error typed as one, while a stream beside them
+    finishes as alone."""
     import httpx
     from openai import BadRequestError, NotFoundError, OpenAI
     url, llm = server
@@ -228,9 +281,11 @@ def test_server_bad_requests_get_400(server):
     defaults = client.completions.create(model="tiny", prompt="a", max_tokens=2, best_of=1, n=1, logit_bias={})
     assert defaults.usage.completion_tokens <= 2
     assert httpx.post(url + "/v1/completions", json=["a"]).status_code == 400
-    for method, route, status in (("GET", "/v1/nowhere", 404), ("GET", "/v1/completions", 405)):
+    for method, route, status, kind in (("GET", "/v1/nowhere", 404, "not_found_error"),
+                                        ("GET", "/v1/completions", 405, "invalid_request_error")):  # the client's fault
         r = httpx.request(method, url + route)
         assert r.status_code == status and r.json()["error"]["message"].startswith(f"{method} {route}")
+        assert r.json()["error"]["type"] == kind
     assert client.models.retrieve("tiny").max_model_len == 128
     with pytest.raises(NotFoundError, match="does not exist"):
         client.models.retrieve("gpt-5")
@@ -454,6 +509,7 @@ def test_server_under_abuse(tiny):
         r = httpx.post(url + "/v1/completions", content=b"[" + b"1," * (9 << 20) + b"1]",
                        headers={"content-type": "application/json"})
         assert r.status_code == 413 and "larger than 16 MiB" in r.json()["error"]["message"]
+        assert r.json()["error"]["type"] == "invalid_request_error"  # the client's fault, not the server's
         llm = LLM(str(tiny.path), device="cpu")
         prompts = [f"Turn {i}:" for i in range(8)]
         want = [o.outputs[0].text for o in llm.generate(prompts, greedy(12), use_tqdm=False)]
