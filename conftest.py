@@ -452,7 +452,7 @@ BAD_CONFIGS = {  # how: (edit of config.json, words the error must hold)
 
 def _run_py(code, env_extra, cwd):
     env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
-    env.update(env_extra, PYTHONPATH=str(HERE))
+    env.update(env_extra, PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
     return subprocess.run([sys.executable, "-c", code], env=env, cwd=cwd, capture_output=True, text=True,
                           timeout=120)
 

@@ -193,11 +193,10 @@ def test_cli_bad_model_or_flag_never_a_traceback(tiny, tmp_path, how):
 
 
 IMPORT_ANYWHERE = """
-import sys, sysconfig
+import sys
 from pathlib import Path
 import nanoinfer, cuda_backend, graph_runner, engine_process
 checkouts = [Path(c) for c in sys.argv[1:]]
-print(sysconfig.get_path("purelib"))
 print(nanoinfer.__file__, cuda_backend.KERNELS_CU.is_file())
 # by path components: as strings, every path in ~/nanoinfer-venv starts with ~/nanoinfer
 inside = lambda file: any(Path(file).is_relative_to(c) for c in checkouts)
@@ -206,28 +205,28 @@ print([m for m, v in list(sys.modules.items()) if inside(getattr(v, "__file__", 
 
 
 def test_pip_install_gives_import_anywhere(tmp_path):
-    """pip install of a checkout (what `pip install git+URL` builds, here without the network) into a virtual
-    environment beside it, named as a user names the two (~/nanoinfer, ~/nanoinfer-venv: one path a prefix of the
-    other): the engine's modules and kernels.cu land flat in the venv's site-packages, and import nanoinfer works from
-    any directory, the CUDA source beside cuda_backend.py, no module coming from a checkout (an editable install puts
-    one on sys.path too, which would hide a module the wheel left out)."""
-    checkout, venv = tmp_path / "nanoinfer", tmp_path / "nanoinfer-venv"  # a copy: nothing is written beside HERE
-    checkout.mkdir()
+    """pip install of a checkout (what `pip install git+URL` builds, here without the network) into site-packages
+    beside it, named as a user names the two (~/nanoinfer, ~/nanoinfer-venv: one path a prefix of the other): the
+    engine's modules and kernels.cu land flat there, and import nanoinfer works from any directory, the CUDA source
+    beside cuda_backend.py, no module coming from a checkout (an editable install puts one on sys.path too, which
+    would hide a module the wheel left out). By --target, with this interpreter, whose packages (pip and hatchling
+    too) it needs: a venv made from within a venv sees the base interpreter's packages, not this one's."""
+    checkout, site = tmp_path / "nanoinfer", tmp_path / "nanoinfer-venv" / "site-packages"  # a copy: nothing is
+    checkout.mkdir()  # written beside HERE
     for f in [*HERE.glob("*.py"), *HERE.glob("*.cu"), HERE / "pyproject.toml", HERE / "README.md"]:
         shutil.copy(f, checkout)
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True,
-                   timeout=120)  # the packages it needs are this interpreter's, pip and hatchling too
-    python = str(venv / "bin" / "python")
-    r = subprocess.run([python, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index",
-                        str(checkout)], capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index",
+                        "--target", str(site), str(checkout)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
-    r = subprocess.run([python, "-c", IMPORT_ANYWHERE, str(HERE), str(checkout)], cwd=tmp_path, capture_output=True,
-                       text=True, timeout=120, env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    others = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and Path(p).resolve() != HERE]
+    r = subprocess.run([sys.executable, "-c", IMPORT_ANYWHERE, str(HERE), str(checkout)], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join([str(site)] + others)})
     assert r.returncode == 0, r.stderr
-    site, loaded, from_checkouts = r.stdout.splitlines()
-    assert Path(site).is_relative_to(venv) and loaded == f"{Path(site) / 'nanoinfer.py'} True", r.stdout
+    loaded, from_checkouts = r.stdout.splitlines()
+    assert loaded == f"{site / 'nanoinfer.py'} True", r.stdout
     assert from_checkouts == "[]", from_checkouts
-    assert sorted(p.name for p in Path(site).iterdir() if p.suffix in (".py", ".cu")) == [
+    assert sorted(p.name for p in site.iterdir() if p.suffix in (".py", ".cu")) == [
         "checkpoint.py", "cuda_backend.py", "engine_process.py", "graph_runner.py", "kernels.cu", "nanoinfer.py",
         "paged_kv.py", "parallel.py", "sample.py", "sampling_params.py", "scheduler.py", "serve.py", "speculation.py"]
 
