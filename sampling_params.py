@@ -36,36 +36,29 @@ class SamplingParams:
         self.stop_token_ids = [] if self.stop_token_ids is None else self.stop_token_ids
         stop_ok = isinstance(self.stop, list) and all(isinstance(x, str) and x for x in self.stop)
         ids_ok = isinstance(self.stop_token_ids, (list, tuple)) and all(is_int(t, 0) for t in self.stop_token_ids)
-        refuse_bad("SamplingParams", (
-            ("n", self.n, is_int(self.n, 1, 256), "an integer in [1, 256]"),
-            ("max_tokens", self.max_tokens, is_int(self.max_tokens, 1), "an integer >= 1"),
-            ("temperature", self.temperature, is_number(self.temperature) and self.temperature >= 0,
-             "a number >= 0 (0 is greedy)"),
-            ("top_p", self.top_p, is_number(self.top_p) and 0 < self.top_p <= 1, "a number in (0, 1]"),
-            ("top_k", self.top_k, is_int(self.top_k, -1), "an integer >= -1 (0 or -1 is off)"),
-            ("min_p", self.min_p, is_number(self.min_p) and 0 <= self.min_p <= 1, "a number in [0, 1] (0 is off)"),
-            ("seed", self.seed, self.seed is None or is_int(self.seed, 0, 2 ** 64 - 1),
-             "None or an integer in [0, 2**64)"),
-            ("stop", self.stop, self.stop is None or stop_ok, "None, a string, or a list of non-empty strings"),
-            ("stop_token_ids", self.stop_token_ids, ids_ok, "None or a list of token ids"),
-            ("include_stop_str_in_output", self.include_stop_str_in_output,
-             isinstance(self.include_stop_str_in_output, bool), "True or False"),
-            ("ignore_eos", self.ignore_eos, isinstance(self.ignore_eos, bool), "True or False"),
-            ("min_tokens", self.min_tokens, is_int(self.min_tokens, 0, self.max_tokens),
-             "an integer in [0, max_tokens]"),
-            ("repetition_penalty", self.repetition_penalty,
-             is_number(self.repetition_penalty) and self.repetition_penalty > 0, "a number > 0 (1 is off)"),
-            ("presence_penalty", self.presence_penalty,
-             is_number(self.presence_penalty) and -2 <= self.presence_penalty <= 2, "a number in [-2, 2]"),
-            ("frequency_penalty", self.frequency_penalty,
-             is_number(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2, "a number in [-2, 2]"),
-            ("logprobs", self.logprobs, self.logprobs is None or is_int(self.logprobs, 0, 20),
+        bias_ok = isinstance(self.logit_bias, dict) and all(is_int(t, 0) and is_number(b, -100, 100)
+                                                            for t, b in self.logit_bias.items())
+        refuse_bad("SamplingParams", self, (
+            ("n", is_int(self.n, 1, 256), "an integer in [1, 256]"),
+            ("max_tokens", is_int(self.max_tokens, 1), "an integer >= 1"),
+            ("temperature", is_number(self.temperature, 0), "a number >= 0 (0 is greedy)"),
+            ("top_p", is_number(self.top_p) and 0 < self.top_p <= 1, "a number in (0, 1]"),
+            ("top_k", is_int(self.top_k, -1), "an integer >= -1 (0 or -1 is off)"),
+            ("min_p", is_number(self.min_p, 0, 1), "a number in [0, 1] (0 is off)"),
+            ("seed", self.seed is None or is_int(self.seed, 0, 2 ** 64 - 1), "None or an integer in [0, 2**64)"),
+            ("stop", self.stop is None or stop_ok, "None, a string, or a list of non-empty strings"),
+            ("stop_token_ids", ids_ok, "None or a list of token ids"),
+            ("include_stop_str_in_output", isinstance(self.include_stop_str_in_output, bool), "True or False"),
+            ("ignore_eos", isinstance(self.ignore_eos, bool), "True or False"),
+            ("min_tokens", is_int(self.min_tokens, 0, self.max_tokens), "an integer in [0, max_tokens]"),
+            ("repetition_penalty", is_number(self.repetition_penalty) and self.repetition_penalty > 0,
+             "a number > 0 (1 is off)"),
+            ("presence_penalty", is_number(self.presence_penalty, -2, 2), "a number in [-2, 2]"),
+            ("frequency_penalty", is_number(self.frequency_penalty, -2, 2), "a number in [-2, 2]"),
+            ("logprobs", self.logprobs is None or is_int(self.logprobs, 0, 20), "None or an integer in [0, 20]"),
+            ("prompt_logprobs", self.prompt_logprobs is None or is_int(self.prompt_logprobs, 0, 20),
              "None or an integer in [0, 20]"),
-            ("prompt_logprobs", self.prompt_logprobs, self.prompt_logprobs is None or
-             is_int(self.prompt_logprobs, 0, 20), "None or an integer in [0, 20]"),
-            ("logit_bias", self.logit_bias, self.logit_bias is None or isinstance(self.logit_bias, dict) and all(
-                is_int(t, 0) and is_number(b) and -100 <= b <= 100 for t, b in self.logit_bias.items()),
-             "None or a dict {token id: bias in [-100, 100]}")))
+            ("logit_bias", self.logit_bias is None or bias_ok, "None or a dict {token id: bias in [-100, 100]}")))
 
 
 class TextDelta(str):
@@ -74,10 +67,7 @@ class TextDelta(str):
     def __new__(cls, text, token_ids=(), logprobs=None):
         delta = super().__new__(cls, text)
         delta.token_ids, delta.logprobs = list(token_ids), logprobs
-        return delta
-
-    def __reduce__(self):  # pickled whole, across the server's pipe
-        return TextDelta, (str(self), self.token_ids, self.logprobs)
+        return delta  # (pickled whole, across the server's pipe: its attributes are its __dict__)
 
 
 @dataclass
@@ -146,22 +136,19 @@ class EngineConfig:
     distributed_executor_backend: str = None  # "uni" (ranks as threads) or "mp" (a process a rank; GPUs' default)
 
     def __post_init__(self):
-        positive = [(name, getattr(self, name), is_int(getattr(self, name), 1), "an integer >= 1") for name in (
+        positive = [(name, is_int(getattr(self, name), 1), "an integer >= 1") for name in (
             "block_size", "max_num_seqs", "max_num_batched_tokens", "num_scheduler_steps", "tensor_parallel_size")]
-        switches = [(name, getattr(self, name), isinstance(getattr(self, name), bool), "True or False") for name in (
+        switches = [(name, isinstance(getattr(self, name), bool), "True or False") for name in (
             "cuda_graphs", "fused", "dependent_launches", "batch_invariant", "enable_prefix_caching")]
-        refuse_bad("LLM", positive + switches + [
-            ("device", self.device, self.device in ("auto", "cpu", "cuda"), "'auto', 'cpu' or 'cuda'"),
-            ("dtype", self.dtype, self.dtype in (None, "float16", "float32", np.float16, np.float32),
-             "float16 or float32"),
-            ("num_kv_tokens", self.num_kv_tokens, self.num_kv_tokens is None or is_int(self.num_kv_tokens, 1),
-             "None or >= 1"),
-            ("gpu_memory_utilization", self.gpu_memory_utilization, is_number(self.gpu_memory_utilization) and
-             0 < self.gpu_memory_utilization <= 1, "a fraction in (0, 1]"),
-            ("seed", self.seed, is_int(self.seed, 0), "an integer >= 0"),
-            ("quantization", self.quantization, self.quantization in (None, "int8"), "None or 'int8'"),
-            ("distributed_executor_backend", self.distributed_executor_backend,
-             self.distributed_executor_backend in (None, "uni", "mp"),
+        refuse_bad("LLM", self, positive + switches + [
+            ("device", self.device in ("auto", "cpu", "cuda"), "'auto', 'cpu' or 'cuda'"),
+            ("dtype", self.dtype in (None, "float16", "float32", np.float16, np.float32), "float16 or float32"),
+            ("num_kv_tokens", self.num_kv_tokens is None or is_int(self.num_kv_tokens, 1), "None or >= 1"),
+            ("gpu_memory_utilization", is_number(self.gpu_memory_utilization) and 0 < self.gpu_memory_utilization <= 1,
+             "a fraction in (0, 1]"),
+            ("seed", is_int(self.seed, 0), "an integer >= 0"),
+            ("quantization", self.quantization in (None, "int8"), "None or 'int8'"),
+            ("distributed_executor_backend", self.distributed_executor_backend in (None, "uni", "mp"),
              "'uni' (ranks as threads of this process) or 'mp' (a process a rank)")])
 
 
@@ -169,15 +156,16 @@ def is_int(v, lo, hi=math.inf):
     return isinstance(v, (int, np.integer)) and not isinstance(v, bool) and lo <= v <= hi
 
 
-def is_number(v):  # finite
-    return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool) and math.isfinite(v)
+def is_number(v, lo=-math.inf, hi=math.inf):  # finite
+    return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool) and math.isfinite(v) and \
+        lo <= v <= hi
 
 
-def refuse_bad(owner, checks):
-    """ValueError naming the first of the (name, value, ok, rule) checks that is not ok, and what it must be."""
-    for name, value, ok, rule in checks:
+def refuse_bad(owner, obj, checks):
+    """ValueError naming the first of obj's (field, ok, rule) checks that is not ok, its value, and what it must be."""
+    for name, ok, rule in checks:
         if not ok:
-            raise ValueError(f"{owner}.{name}={value!r}: must be {rule}")
+            raise ValueError(f"{owner}.{name}={getattr(obj, name)!r}: must be {rule}")
 
 
 def log_softmax(logits):
@@ -223,16 +211,15 @@ def as_lists(prompts, params):
     return prompts, params
 
 
-# the logits a step changes before sampling, one entry per (row, token): for each row, every token it has seen (with
-# its repetition penalty), how often each is in its output (presence, frequency), its logit bias, and the ones banned
-# until min_tokens
 Penalties = namedtuple("Penalties", "rows ids output_counts banned repetition presence frequency bias")
 
 
 def penalties(rows):
-    """The Penalties of the rows that sample, each (sequence, j): the row samples the sequence's token j places after
-    its next, from logits computed after j tokens it computed ahead (a draft's, speculation.py), which count as its
-    output, as plain decoding would have had them. None when no row edits its logits."""
+    """The logits a step changes before sampling, one entry per (row, token): each token a row has seen (with its
+    repetition penalty), how often it is in the output (presence, frequency), its logit bias, whether it is banned until
+    min_tokens. Rows are (sequence, j): the token j places after the sequence's next, from logits computed after j
+    tokens it computed ahead (a draft's, speculation.py), which count as its output, as plain decoding would have had
+    them. None when no row edits its logits."""
     if not any(s.edits_logits for s, _ in rows):
         return None
     entries = []  # (row, token, times in the output, banned, repetition penalty, bias)
