@@ -290,6 +290,11 @@ def bench_gpu(path, repeats):
         lessons[f"server: {clients} streaming clients, prompt 64 -> 128, {servers} HTTP process(es)"] = server_load(
             path, offline, clients, gpu_memory_utilization=0.3, api_server_count=servers)
     workloads = [("single stream", one, 256), ("offline", prompts, lens)]
+    simple = LLM(str(path), device="cuda", num_kv_tokens=200_000, kernels="simple")
+    lessons["the kernel ladder: kernels='simple' (its first rungs) against the default, tok/s"] = engines_against(
+        simple, llm, [workloads[0], ("offline, the first 64 requests", prompts[:64], lens[:64])], repeats)
+    del simple
+    gc.collect()
     lessons["prefix caching (enable_prefix_caching), on against off"] = prefix_caching_lesson(
         path, "cuda", repeats, gpu_memory_utilization=0.2)
     # k 5, as vLLM's n-gram example has it (NOTES, speculative decoding: k on this prompt)

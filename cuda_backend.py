@@ -44,8 +44,10 @@ def find_gpu():
 # 1. compiling and launching kernels.cu
 
 KERNELS_CU = Path(__file__).with_name("kernels.cu")
-PLAIN = ["matmul_f32", "attention_prefill", "penalize", "sample_pass", "sample_pick", "decode_advance", "ngram_propose",
+PLAIN = ["matmul_mma", "attention_prefill", "penalize", "sample_pass", "sample_pick", "decode_advance", "ngram_propose",
          "spec_accept"]  # the kernels that are no template
+LADDER = ("matmul_naive", "matmul_tiled", "matmul_mma", "layernorm_thread", "layernorm_warp", "attention_naive",
+          "attention_online")  # the ladder's rungs (kernels.cu, section L): launched plainly, never as dependents
 GEMV_SMEM = 224 * 1024  # matmul_gemv keeps x in shared memory: K * 2 bytes at most
 SAMPLE_WARP, SAMPLE_CAP, SUMMARY_BYTES = 512, 16, 24  # kernels.cu's sampler: a pass warp's logits, its candidates
 SAMPLE_THREADS = 256  # the pick's block: its head holds 128 warps' candidates (16 KB), its exact way a row of logits
@@ -155,13 +157,17 @@ def split_k(blocks, per_sm, K, most, MN, num_sms):
     return cdiv(K, k_per_split), k_per_split
 
 
-def plan_matmul(M, N, K, ln, dtype, num_sms, invariant=False, int8=False):
+def plan_matmul(M, N, K, ln, dtype, num_sms, invariant=False, int8=False, simple=False):
     """Kernel, tiles and split for y = epilogue(layernorm(x) @ w.T), x (M, K), w (N, K); ln: fuse the layernorm.
     Decode is memory-bound (stream w once, keep every SM busy); prefill compute-bound (big tiles, few rounds).
     invariant: one tile and one K split for every M (by N and K alone): a row's sums run in one order in any batch.
-    int8: w is int8 (W8A16): the gemv and the skinny kernel read it as it is; the others get it dequantized first."""
+    int8: w is int8 (W8A16): the gemv and the skinny kernel read it as it is; the others get it dequantized first.
+    simple: the ladder's first rung, a thread an output (kernels="simple")."""
+    if simple:
+        return MatmulPlan(f"matmul_naive<{'half' if np.dtype(dtype) == np.float16 else 'float'}>", (cdiv(N, 256), M, 1),
+                          256, dequantize=int8)
     if np.dtype(dtype) == np.float32:  # the exact path: plain fp32 FMAs, 64 x 64 tiles
-        return MatmulPlan("matmul_f32", (cdiv(N, 64), cdiv(M, 64), 1), 256, dequantize=int8)
+        return MatmulPlan("matmul_blocked<float>", (cdiv(N, 64), cdiv(M, 64), 1), 256, dequantize=int8)
     if invariant:  # decode's tile, and K split by N and K alone (as for a 64-row batch), M cut to fit the scratch
         most = cdiv(K, 64) if N % 4 == 0 else 1
         splits, k_per_split = split_k(cdiv(N, 32), 2, K, most, 64 * N, num_sms)
@@ -284,8 +290,9 @@ class CudaBackend:
         self.num_sms = cp.cuda.Device().attributes["MultiProcessorCount"]
         # LLM's switches: fused=False runs layernorms, bias, GELU and residual adds as kernels of their own;
         # dependent_launches=False captures CUDA graphs whose kernels each wait for the one before to finish;
-        # batch_invariant=True picks plans that do not depend on the batch
-        self.fused, self.dependent_launches, self.batch_invariant = True, True, False
+        # batch_invariant=True picks plans that do not depend on the batch; simple=True runs matmul, layernorm and
+        # attention on the ladder's first rungs (kernels="simple")
+        self.fused, self.dependent_launches, self.batch_invariant, self.simple = True, True, False, False
         self._dependent = False  # launching into a graph capture with dependent launches on
         self._gelu = cp.ElementwiseKernel("T x", "T y", "float v = x; y = 0.5f * v * (1.f + tanhf(0.7978845608f * "
                                           "(v + 0.044715f * v * v * v)))", "gelu_tanh")  # the unfused GELU
@@ -300,7 +307,9 @@ class CudaBackend:
         """The fewest queries of a sequence that go to attention_prefill's tiles; None: none do (fp32). Batch-invariant
         fp16 tiles every query, decode's too: a query's sums then run over the same 64-key tiles in any step (the
         keys a query does not see add exact zeros), as attention_decode's warps and splits would not."""
-        return None if self.dtype == np.float32 else 1 if self.batch_invariant else PREFILL_MIN_Q
+        if self.dtype == np.float32 or self.simple:
+            return None
+        return 1 if self.batch_invariant else PREFILL_MIN_Q
 
     def check_model(self, config):
         if config.head_dim != 64 or config.n_inner % 8 or config.vocab_size > SAMPLE_MAX_V:
@@ -312,7 +321,7 @@ class CudaBackend:
     def launch(self, name, grid, block, args, shared_mem=0, dependent=True):
         """Launch `name` on the current stream: in capture() with dependent launches on as one (unless `dependent` is
         False), else through CuPy."""
-        if self._dependent and dependent:
+        if self._dependent and dependent and not name.startswith(LADDER):
             return launch_dependent(self.kernels[name], grid, block, args, shared_mem)
         self.kernels[name](grid, block, args, shared_mem=shared_mem)
 
@@ -397,7 +406,10 @@ class CudaBackend:
         T, C = x.shape
         assert C % self.vec == 0 and C <= 2048, f"layernorm: C={C} must be a multiple of {self.vec} and <= 2048"
         y = self.empty((T, C))
-        if T:
+        if T and self.simple:
+            self.launch(f"layernorm_thread<{self.t}>", (cdiv(T, 128),), (128,),
+                        (x, self._contiguous(w), self._contiguous(b), y, np.int32(T), np.int32(C), np.float32(eps)))
+        elif T:
             threads = cdiv(C // self.vec, 32) * 32  # a 16-byte vector a thread, whole warps
             self.launch(f"layernorm<{self.t}>", (min(T, LAYERNORM_BLOCKS_PER_SM * self.num_sms),), (threads,),
                         (x, self._contiguous(w), self._contiguous(b), y, np.int32(T), np.int32(C), np.float32(eps)))
@@ -408,7 +420,7 @@ class CudaBackend:
         M, K = x.shape
         N = q.shape[0]
         plan = plan_matmul(M, N, K, ln is not None and self.fused, self.dtype, self.num_sms, self.batch_invariant,
-                           int8=scale is not None)
+                           int8=scale is not None, simple=self.simple)
         if ln is not None and not plan.ln_fused:  # the layernorm as a kernel of its own
             x, ln = self.layernorm(x, *ln), None
         if not self.fused and (bias is not None or gelu or residual is not None):
@@ -450,8 +462,10 @@ class CudaBackend:
         if plan.kernel.startswith("matmul_gemv"):
             ln_w, ln_b, eps = (0, 0, 0.0) if ln is None else (self._contiguous(ln[0]), self._contiguous(ln[1]), ln[2])
             args = head + tail + (np.int32(f32), ln_w, ln_b, np.float32(eps), np.int32(plan.rows_per_warp))
-        elif plan.kernel == "matmul_f32":
+        elif plan.kernel.startswith("matmul_blocked"):
             args = head + (np.int32(M),) + tail
+        elif plan.kernel.startswith("matmul_naive"):
+            args = head + (np.int32(M),) + tail + (np.int32(f32),)
         else:
             args = head + (np.int32(M),) + tail + (np.int32(f32), np.int32(plan.k_per_split), self._partial,
                                                    self._counters)
@@ -493,6 +507,13 @@ class CudaBackend:
         q, qs = self._heads(q)
         out = self.empty((T, H, D))
         common = (batch.block_tables, np.int32(batch.block_tables.shape[1]), np.int32(k_cache.shape[1]))
+        if self.simple:  # the ladder's first rung: every query a row, its scores in shared memory (up to every key)
+            if batch.n_rows:
+                self.launch(f"attention_naive<{self.t}>", (batch.n_rows, H), (128,),
+                            (q, np.int32(qs), k_cache, v_cache) + common + (batch.row_q, batch.row_seq, batch.row_len,
+                                                                            np.int32(H), np.float32(scale), out),
+                            shared_mem=batch.block_tables.shape[1] * k_cache.shape[1] * 4)
+            return out
         scale_log2 = np.float32(scale * math.log2(math.e))
         if batch.n_tiles:  # each tile's keys in nsplit splits when few tiles would leave SMs idle (not batch-invariant)
             nsplit = prefill_splits(batch.n_tiles * H, self.num_sms) if not self.batch_invariant else 1

@@ -5,10 +5,11 @@
 // weights are (N, K) row-major, so y = x @ w.T reads both operands along K: the tensor cores' "row.col" case, no
 // transposes. The KV cache is (num_blocks, block_size, H, 64): a slot is one token's K (or V), all heads. Only
 // cuda_fp16.h is included: tensor cores, ldmatrix, cp.async are inline PTX, each before its first user. Contents:
+//   L. the kernel ladder  matmul, layernorm, attention from the obvious kernel up (read it first if CUDA is new)
 //   1. embed             out = wte[ids] + wpe[positions]: a gather
 //   2. cache_write       this step's K and V into their slots of the paged KV cache: a scatter
 //   3. layernorm         y = (x - mean) / sqrt(var + eps) * w + b, a block per row
-//   4. matmul_f32        y = epilogue(x @ w.T) in fp32: shared-memory tiles, no tensor cores (exact path)
+//   4. matmul_blocked    y = epilogue(x @ w.T) on the CUDA cores: shared-memory tiles (fp32's exact path)
 //   5. attention_decode  one query row against its paged keys, split along the context (flash-decoding)
 //   6. matmul_gemv       y = epilogue(ln(x) @ w.T) for one row of x: warps streaming the weights (fp16 or int8)
 //   7. matmul_skinny     the same for 2-8 rows of x, on mma.sync with w as the A operand
@@ -116,6 +117,220 @@ __device__ __forceinline__ void store_y(void* y, long i, float v, int y_f32) {
     else reinterpret_cast<half*>(y)[i] = __float2half_rn(v);
 }
 
+// mma.sync, one warp: c (16x8 fp32) += a (16x16 fp16, row) * b (16x8 fp16, col). Thread (g = lane/4, t = lane%4)
+// holds a: (g, 2t..2t+1) (g+8, 2t..) (g, 2t+8..) (g+8, 2t+8..); b: (2t.., g) (2t+8.., g); c: (g, 2t) (g, 2t+1) (g+8, 2t) (g+8, 2t+1).
+__device__ __forceinline__ void mma16816(float* c, const unsigned* a, const unsigned* b) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// =============================================================================================
+// The kernel ladder: matmul, layernorm and attention from the obvious kernel up, one idea a rung. Read it first if
+// CUDA is new to you; the engine's own kernels (sections 3-9) are each ladder's last rungs. LLM(kernels="simple")
+// runs the engine on each op's first rung (L1, L5, L7); bench.py times every rung at GPT-2's shapes (ladder.py).
+// A rung launches plainly, never as a dependent: it does not call wait_for_inputs() (below).
+//
+// The napkin math, GPT-2 124M on an H200 (~4.8 TB/s of HBM, ~990 dense fp16 TFLOP/s on the tensor cores, ~60 on the
+// CUDA cores): a decode step's matmul reads each weight once for 2 FLOPs a row of x, so one row is memory-bound
+// (2304 x 768 fp16 weights: 3.5 MB, 0.7 us at best); a 1024-token prefill does 1024 times the FLOPs on the same bytes,
+// compute-bound. Every rung below is about moving bytes efficiently, then about feeding the tensor cores.
+
+// L1. matmul_naive: y = epilogue(x @ w.T), a thread an output. Thread n of block (n / 256, m) loops over K alone,
+// reading x's row m and w's row n straight from global memory. Neighbouring threads read rows of w K elements apart:
+// a warp's load asks for 32 scattered sectors of 32 bytes to use 2 (fp16) of each, so the L1 cache, not HBM, sets
+// the pace; and nothing one thread reads is shared with another except through the caches. 2*M*N*K FLOPs.
+template <typename T>
+__global__ void matmul_naive(const T* x, const T* w, const float* scale, const T* bias, const T* residual, void* y,
+                             int M, int N, int K, int gelu, int y_f32) {
+    const int n = blockIdx.x * blockDim.x + threadIdx.x, m = blockIdx.y;
+    if (n >= N) return;
+    float acc = 0.f;
+    for (int k = 0; k < K; k++) acc += to_float(x[(long)m * K + k]) * to_float(w[(long)n * K + k]);
+    store_y(y, (long)m * N + n, epilogue(acc, scale, bias, residual, gelu, m, n, N), y_f32);
+}
+
+// L2. matmul_tiled: coalesced loads and shared-memory reuse. A 32 x 32 block of threads, still an output a thread,
+// first copies a 32 x 32 tile of x and one of w into shared memory, a thread an element, neighbours reading
+// neighbours (a warp's load: 64 or 128 contiguous bytes). Each element copied then serves 32 outputs from shared
+// memory: x is read from global memory N/32 times, w M/32 times, where L1 read them N and M times.
+template <typename T>
+__global__ void __launch_bounds__(1024) matmul_tiled(const T* x, const T* w, T* y, int M, int N, int K) {
+    __shared__ float xs[32][33], ws[32][33];  // the +1 column: ws[tx][k] of 32 threads falls in 32 different banks
+    const int tx = threadIdx.x, ty = threadIdx.y, m0 = blockIdx.y * 32, n0 = blockIdx.x * 32;
+    float acc = 0.f;
+    for (int k0 = 0; k0 < K; k0 += 32) {
+        const int k = k0 + tx;
+        xs[ty][tx] = (m0 + ty < M && k < K) ? to_float(x[(long)(m0 + ty) * K + k]) : 0.f;
+        ws[ty][tx] = (n0 + ty < N && k < K) ? to_float(w[(long)(n0 + ty) * K + k]) : 0.f;
+        __syncthreads();  // the tiles are whole before anyone reads them
+        UNROLL for (int j = 0; j < 32; j++) acc += xs[ty][j] * ws[tx][j];
+        __syncthreads();  // everyone is done with them before the next tiles overwrite them
+    }
+    if (m0 + ty < M && n0 + tx < N) y[(long)(m0 + ty) * N + n0 + tx] = from_float<T>(acc);
+}
+
+// L3. register blocking: section 4's matmul_blocked (the engine's exact fp32 path). Each thread owns a 4 x 4 patch of
+// y, so one value read from shared memory feeds 4 FMAs instead of 1; shared memory's bandwidth was rung 2's limit.
+
+// L4. matmul_mma: tensor cores. One mma.sync instruction multiplies a 16 x 16 tile of x by a 16 x 8 tile of w.T for
+// a whole warp (4,096 FLOPs in fp32 accumulators), where a CUDA core does one FMA a thread. A block of 4 warps owns
+// a 64 x 64 tile of y, a warp 32 x 32 of it: 2 x 4 mmas per 16 of K, its operands read from shared memory as pairs
+// of halves in the layout PTX's m16n8k16 prescribes (mma16816 above). fp16 only; K a multiple of 16.
+extern "C" __global__ void __launch_bounds__(128) matmul_mma(const half* x, const half* w, half* y, int M, int N,
+                                                            int K) {
+    __shared__ __align__(16) half xs[64][24], ws[64][24];  // 16 of K a row, +8: a fragment's rows hit 8 bank groups
+    const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+    const int m0 = blockIdx.y * 64, n0 = blockIdx.x * 64, wm = warp / 2 * 32, wn = warp % 2 * 32;
+    const int r = threadIdx.x / 2, c = threadIdx.x % 2 * 8;  // this thread's 16-byte piece of each tile
+    auto pair = [](const half* p) { return *reinterpret_cast<const unsigned*>(p); };
+    float acc[2][4][4] = {};
+    for (int k0 = 0; k0 < K; k0 += 16) {
+        store16(&xs[r][c], m0 + r < M ? load16(x + (long)(m0 + r) * K + k0 + c) : make_uint4(0, 0, 0, 0));
+        store16(&ws[r][c], n0 + r < N ? load16(w + (long)(n0 + r) * K + k0 + c) : make_uint4(0, 0, 0, 0));
+        __syncthreads();
+        unsigned a[2][4], b[4][2];
+        for (int i = 0; i < 2; i++) {  // rows g and g + 8, K 2t and 2t + 8, of the warp's two 16-row tiles
+            const half* p = &xs[wm + i * 16 + g][2 * t];
+            a[i][0] = pair(p), a[i][1] = pair(p + 8 * 24), a[i][2] = pair(p + 8), a[i][3] = pair(p + 8 * 24 + 8);
+        }
+        for (int j = 0; j < 4; j++) {  // w's row g of each 8-row tile: K 2t and 2t + 8
+            const half* p = &ws[wn + j * 8 + g][2 * t];
+            b[j][0] = pair(p), b[j][1] = pair(p + 8);
+        }
+        for (int i = 0; i < 2; i++)
+            for (int j = 0; j < 4; j++) mma16816(acc[i][j], a[i], b[j]);
+        __syncthreads();
+    }
+    for (int i = 0; i < 2; i++)
+        for (int j = 0; j < 4; j++)
+            for (int e = 0; e < 4; e++) {  // the accumulator holds (g, 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1)
+                const int m = m0 + wm + i * 16 + g + e / 2 * 8, n = n0 + wn + j * 8 + 2 * t + e % 2;
+                if (m < M && n < N) y[(long)m * N + n] = __float2half_rn(acc[i][j][e]);
+            }
+}
+
+// L5. layernorm_thread: a thread a row, three loops over its C values (the mean, the centred variance as numpy
+// computes it, the output). Neighbouring threads read addresses C elements apart, and one decode row is one thread
+// of the whole GPU. 2*T*C*sizeof(T) bytes moved, ~8*T*C FLOPs: memory-bound, like every elementwise op.
+template <typename T>
+__global__ void layernorm_thread(const T* x, const T* w, const T* b, T* y, int rows, int C, float eps) {
+    const int row = blockIdx.x * blockDim.x + threadIdx.x;
+    if (row >= rows) return;
+    const T* xr = x + (long)row * C;
+    float mean = 0.f, var = 0.f;
+    for (int c = 0; c < C; c++) mean += to_float(xr[c]);
+    mean /= C;
+    for (int c = 0; c < C; c++) var += (to_float(xr[c]) - mean) * (to_float(xr[c]) - mean);
+    const float rstd = rsqrtf(var / C + eps);
+    for (int c = 0; c < C; c++)
+        y[(long)row * C + c] = from_float<T>((to_float(xr[c]) - mean) * rstd * to_float(w[c]) + to_float(b[c]));
+}
+
+// L6. layernorm_warp: a warp a row. Lane i reads elements i, i + 32, ...: a warp's load is 64 or 128 contiguous bytes.
+// The sums meet across the warp in 5 register shuffles (warp_sum: __shfl_xor_sync), no shared memory, no barrier.
+// The engine's layernorm (section 3) then gives a row a block and each thread one 16-byte vector held in registers,
+// and a one-row decode fuses it into the next matmul (matmul_gemv's prologue): no kernel, no round trip to memory.
+template <typename T>
+__global__ void layernorm_warp(const T* x, const T* w, const T* b, T* y, int rows, int C, float eps) {
+    const int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (row >= rows) return;
+    const T* xr = x + (long)row * C;
+    float sum = 0.f, sq = 0.f;
+    for (int c = lane; c < C; c += 32) sum += to_float(xr[c]);
+    const float mean = warp_sum(sum) / C;
+    for (int c = lane; c < C; c += 32) sq += (to_float(xr[c]) - mean) * (to_float(xr[c]) - mean);
+    const float rstd = rsqrtf(warp_sum(sq) / C + eps);
+    for (int c = lane; c < C; c += 32)
+        y[(long)row * C + c] = from_float<T>((to_float(xr[c]) - mean) * rstd * to_float(w[c]) + to_float(b[c]));
+}
+
+// Attention rungs: one query row r (token row_q[r] of sequence row_seq[r]) against its row_len[r] keys in the paged
+// KV cache, out = softmax(q . K^T * scale) V per head. Key j of a sequence lies in slot table[j / bs] * bs + j % bs.
+// Memory-bound in decode: 2*L*64*sizeof(T) bytes of K and V for 4*L*64 FLOPs a (row, head).
+__device__ __forceinline__ long key_at(const int* table, int j, int block_size, int H, int h) {
+    return (((long)table[j / block_size] * block_size + j % block_size) * H + h) * 64;  // K or V of key j, head h
+}
+
+// L7. attention_naive: the textbook's three passes, a block of 128 threads a (row, head): every score into shared
+// memory (one row of the T x L score matrix; the L-key row fits: max_len * 4 bytes), their max and sum in block-wide
+// reductions, then 64 threads a dimension of the output each, walking all L probabilities again. A thread reads a
+// whole K row alone (uncoalesced), and in the last pass only two warps of the block work.
+template <typename T>
+__global__ void __launch_bounds__(128) attention_naive(
+    const T* q, int q_stride, const T* k_cache, const T* v_cache, const int* block_tables, int max_blocks,
+    int block_size, const int* row_q, const int* row_seq, const int* row_len, int H, float scale, T* out) {
+    extern __shared__ float s[];  // (max_blocks * block_size,) scores, then probabilities
+    const int r = blockIdx.x, h = blockIdx.y, L = row_len[r];
+    const int* table = block_tables + (long)row_seq[r] * max_blocks;
+    const T* qh = q + (long)row_q[r] * q_stride + h * 64;
+    float mx = NEG_INF, sum = 0.f;
+    for (int j = threadIdx.x; j < L; j += blockDim.x) {  // a key a thread
+        const T* k = k_cache + key_at(table, j, block_size, H, h);
+        float dot = 0.f;
+        for (int d = 0; d < 64; d++) dot += to_float(qh[d]) * to_float(k[d]);
+        mx = fmaxf(mx, s[j] = dot * scale);
+    }
+    mx = block_reduce(mx, [](float a, float b) { return fmaxf(a, b); });
+    for (int j = threadIdx.x; j < L; j += blockDim.x) sum += s[j] = expf(s[j] - mx);
+    sum = block_sum(sum);  // its barriers also make every s[j] visible to every thread
+    if (threadIdx.x < 64) {  // a dimension a thread: 64 neighbours read a V row's 64 neighbouring values
+        float o = 0.f;
+        for (int j = 0; j < L; j++) o += s[j] * to_float(v_cache[key_at(table, j, block_size, H, h) + threadIdx.x]);
+        out[((long)row_q[r] * H + h) * 64 + threadIdx.x] = from_float<T>(o / sum);
+    }
+}
+
+// L8. attention_online: one pass, nothing materialised (FlashAttention's online softmax). A group of 64/VEC lanes
+// takes a key, each lane a 16-byte vector of its K and V row (coalesced), 16 (fp16) keys in flight a block. Each
+// group keeps a running max m, sum l and output o; a larger score rescales l and o by exp(m_old - m_new), so
+// probabilities are never stored. At the end the groups' (m, l, o) merge the same way, in shared memory. The engine's
+// attention_decode (section 5) adds what decode needs: the context split over blocks (flash-decoding: 12 heads of one
+// sequence would leave 120 of 132 SMs idle), cp.async keeping 7 key tiles in flight, the cache write fused in.
+template <typename T>
+__global__ void __launch_bounds__(128) attention_online(
+    const T* q, int q_stride, const T* k_cache, const T* v_cache, const int* block_tables, int max_blocks,
+    int block_size, const int* row_q, const int* row_seq, const int* row_len, int H, float scale, T* out) {
+    constexpr int VEC = 16 / sizeof(T), LPK = 64 / VEC, GROUPS = 128 / LPK;  // lanes a key; keys in flight
+    __shared__ float gm[GROUPS], gl[GROUPS], go[GROUPS][64];
+    const int r = blockIdx.x, h = blockIdx.y, L = row_len[r], group = threadIdx.x / LPK, d0 = threadIdx.x % LPK * VEC;
+    const int* table = block_tables + (long)row_seq[r] * max_blocks;
+    const uint4 qraw = load16(q + (long)row_q[r] * q_stride + h * 64 + d0);
+    float m = NEG_INF, l = 0.f, o[VEC] = {};
+    for (int j0 = 0; j0 < L; j0 += GROUPS) {  // j0 is the same in every lane: the shuffles below see whole warps
+        const int j = j0 + group;
+        uint4 kraw = make_uint4(0, 0, 0, 0), vraw = kraw;
+        if (j < L) {
+            kraw = load16(k_cache + key_at(table, j, block_size, H, h) + d0);
+            vraw = load16(v_cache + key_at(table, j, block_size, H, h) + d0);
+        }
+        float s = 0.f;
+        UNROLL for (int i = 0; i < VEC; i++) s += to_float(reinterpret_cast<const T*>(&qraw)[i]) *
+                                                  to_float(reinterpret_cast<const T*>(&kraw)[i]);
+        for (int off = LPK / 2; off > 0; off >>= 1) s += __shfl_xor_sync(FULL_MASK, s, off);  // the group's dot
+        if (j < L) {
+            const float m_new = fmaxf(m, s * scale), c = expf(m - m_new), p = expf(s * scale - m_new);
+            l = l * c + p;
+            UNROLL for (int i = 0; i < VEC; i++) o[i] = o[i] * c + p * to_float(reinterpret_cast<const T*>(&vraw)[i]);
+            m = m_new;
+        }
+    }
+    gm[group] = m;  // (every lane of the group writes the same values)
+    gl[group] = l;
+    UNROLL for (int i = 0; i < VEC; i++) go[group][d0 + i] = o[i];
+    __syncthreads();
+    if (threadIdx.x < 64) {  // a dimension a thread merges the groups
+        float mx = NEG_INF, sum = 0.f, acc = 0.f;
+        for (int g = 0; g < GROUPS; g++) mx = fmaxf(mx, gm[g]);
+        for (int g = 0; g < GROUPS; g++) {
+            sum += gl[g] * expf(gm[g] - mx);
+            acc += go[g][threadIdx.x] * expf(gm[g] - mx);
+        }
+        out[((long)row_q[r] * H + h) * 64 + threadIdx.x] = from_float<T>(acc / sum);
+    }
+}
+
 // 1. embed: out[t] = wte[input_ids[t]] + wpe[positions[t]]. A gather, memory-bound: 3*T*C*sizeof(T) bytes
 // (two rows read, one written) for T*C additions. One block per token, 16-byte vectors.
 template <typename T>
@@ -183,12 +398,12 @@ __global__ void __launch_bounds__(512) layernorm(const T* x, const T* w, const T
     }
 }
 
-// 4. matmul_f32: y = epilogue(x @ w.T) in fp32, for exact comparisons rather than speed (SIMT, no tensor
-// cores). Classic shared-memory tiling: a 64 x 64 tile of y per block, K by 16; each of 256 threads owns a
+// 4. matmul_blocked: y = epilogue(x @ w.T) on the CUDA cores (no tensor cores): the exact fp32 path, and the ladder's
+// rung 3 in fp16. Classic shared-memory tiling: a 64 x 64 tile of y per block, K by 16; each of 256 threads owns a
 // 4 x 4 patch, so each shared-memory read feeds 4 FMAs. 2*M*N*K FLOPs; x read N/64 times, w M/64 (L2).
-extern "C" __global__ void __launch_bounds__(256) matmul_f32(
-    const float* x, const float* __restrict__ w, const float* __restrict__ scale, const float* __restrict__ bias,
-    const float* residual, float* __restrict__ y, int M, int N, int K, int gelu) {
+template <typename T> __global__ void __launch_bounds__(256) matmul_blocked(
+    const T* x, const T* __restrict__ w, const float* __restrict__ scale, const T* __restrict__ bias,
+    const T* residual, T* __restrict__ y, int M, int N, int K, int gelu) {
     wait_for_inputs();
     __shared__ float xs[16][64 + 4], ws[16][64 + 4];  // k-major: the inner loop reads along m and n
     const int tx = threadIdx.x % 16, ty = threadIdx.x / 16, m0 = blockIdx.y * 64, n0 = blockIdx.x * 64;
@@ -196,8 +411,8 @@ extern "C" __global__ void __launch_bounds__(256) matmul_f32(
     for (int k0 = 0; k0 < K; k0 += 16) {
         for (int i = threadIdx.x; i < 64 * 16; i += 256) {
             int r = i / 16, k = k0 + i % 16;  // consecutive threads read consecutive k: coalesced
-            xs[i % 16][r] = (m0 + r < M && k < K) ? x[(long)(m0 + r) * K + k] : 0.f;
-            ws[i % 16][r] = (n0 + r < N && k < K) ? w[(long)(n0 + r) * K + k] : 0.f;
+            xs[i % 16][r] = (m0 + r < M && k < K) ? to_float(x[(long)(m0 + r) * K + k]) : 0.f;
+            ws[i % 16][r] = (n0 + r < N && k < K) ? to_float(w[(long)(n0 + r) * K + k]) : 0.f;
         }
         __syncthreads();
         UNROLL for (int k = 0; k < 16; k++)
@@ -208,7 +423,8 @@ extern "C" __global__ void __launch_bounds__(256) matmul_f32(
     for (int i = 0; i < 4; i++)
         for (int j = 0; j < 4; j++) {
             int m = m0 + ty * 4 + i, n = n0 + tx * 4 + j;
-            if (m < M && n < N) y[(long)m * N + n] = epilogue(acc[i][j], scale, bias, residual, gelu, m, n, N);
+            if (m < M && n < N)
+                y[(long)m * N + n] = from_float<T>(epilogue(acc[i][j], scale, bias, residual, gelu, m, n, N));
         }
 }
 
@@ -394,9 +610,8 @@ __device__ __forceinline__ float dot8(uint4 a, uint4 b) {  // 8 halves by 8, sum
     return d;
 }
 
-// dequantize: int8 weights as T, unscaled, for the kernels that take w through shared memory (matmul_tc's cp.async,
-// matmul_f32), whose epilogue applies the scale. Memory-bound: 1 + sizeof(T) bytes a weight. Neither it nor the matmul
-// after it is a dependent launch: kernels load their weights before they wait, and this writes them.
+// dequantize: int8 weights as T, unscaled, for matmul_tc and matmul_blocked (the epilogue scales): 1 + sizeof(T)
+// bytes a weight. Neither it nor the next matmul is a dependent launch: kernels load weights before they wait.
 template <typename T>
 __global__ void dequantize(const i8* q, T* out, long n) {  // n % 8 == 0
     for (long i = (blockIdx.x * (long)blockDim.x + threadIdx.x) * 8; i < n; i += (long)gridDim.x * blockDim.x * 8) {
@@ -479,15 +694,6 @@ __global__ void __launch_bounds__(256, 2) matmul_gemv(
             load(buf[d], q + d + D);
         }
     }
-}
-
-// mma.sync, one warp: c (16x8 fp32) += a (16x16 fp16, row) * b (16x8 fp16, col). Thread (g = lane/4, t = lane%4)
-// holds a: (g, 2t..2t+1) (g+8, 2t..) (g, 2t+8..) (g+8, 2t+8..); b: (2t.., g) (2t+8.., g); c: (g, 2t) (g, 2t+1) (g+8, 2t) (g+8, 2t+1).
-__device__ __forceinline__ void mma16816(float* c, const unsigned* a, const unsigned* b) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
 // 7. matmul_skinny: y = epilogue(x @ w.T) for decode batches of 2-8 rows of x and the lm_head of up to 8 (from 9 rows
@@ -1337,8 +1543,14 @@ extern "C" __global__ void spec_accept(const int* tokens, const int* input_ids, 
 #define INSTANTIATE(...)
 #endif
 INSTANTIATE(matmul_tc<128,128,3>) INSTANTIATE(matmul_tc<128,128,4>) INSTANTIATE(matmul_tc<64,128,3>)
-INSTANTIATE(matmul_tc<64,64,6>) INSTANTIATE(matmul_tc<64,32,8>)
+INSTANTIATE(matmul_tc<64,64,6>) INSTANTIATE(matmul_tc<64,32,8>) INSTANTIATE(matmul_blocked<float>)
 INSTANTIATE(matmul_gemv<half,4>) INSTANTIATE(matmul_gemv<half,8>) INSTANTIATE(matmul_gemv<i8,4>)
 INSTANTIATE(matmul_skinny<half>) INSTANTIATE(matmul_skinny<i8>) INSTANTIATE(dequantize<half>) INSTANTIATE(dequantize<float>)
+// the ladder's rungs
+INSTANTIATE(matmul_blocked<half>) INSTANTIATE(matmul_naive<float>) INSTANTIATE(matmul_naive<half>)
+INSTANTIATE(matmul_tiled<float>) INSTANTIATE(matmul_tiled<half>) INSTANTIATE(layernorm_thread<float>)
+INSTANTIATE(layernorm_thread<half>) INSTANTIATE(layernorm_warp<float>) INSTANTIATE(layernorm_warp<half>)
+INSTANTIATE(attention_naive<float>) INSTANTIATE(attention_naive<half>) INSTANTIATE(attention_online<float>)
+INSTANTIATE(attention_online<half>)
 INSTANTIATE(embed<float>) INSTANTIATE(cache_write<float>) INSTANTIATE(layernorm<float>) INSTANTIATE(attention_decode<float>)
 INSTANTIATE(embed<half>) INSTANTIATE(cache_write<half>) INSTANTIATE(layernorm<half>) INSTANTIATE(attention_decode<half>)

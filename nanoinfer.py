@@ -188,9 +188,8 @@ class NumpyBackend:
                          for r in range(len(logits))], dtype=np.int64)
 
 
-def make_backend(device, dtype, fused=True, dependent_launches=True, batch_invariant=False):
-    """The op set to run on, with the lessons' switches (LLM's: EngineConfig): numpy (fp32), or cuda_backend's kernels
-    (fp16 by default) on a Hopper GPU."""
+def make_backend(device, dtype, fused=True, dependent_launches=True, batch_invariant=False, kernels="fast"):
+    """The op set to run on, with the lessons' switches (EngineConfig): numpy (fp32), or the CUDA kernels (fp16)."""
     backend = None
     if device != "cpu":
         import cuda_backend
@@ -206,8 +205,11 @@ def make_backend(device, dtype, fused=True, dependent_launches=True, batch_invar
     if backend is None:
         if dtype is not None and np.dtype(dtype) != np.float32:
             raise ValueError(f"dtype={np.dtype(dtype).name} on the CPU: numpy has no fast fp16 matmul; use float32")
+        if kernels == "simple":
+            raise ValueError("kernels='simple' runs the kernel ladder's first CUDA kernels; device='cpu' runs numpy's")
         backend = NumpyBackend(np.float32)
-    backend.fused, backend.dependent_launches = fused, dependent_launches
+    backend.simple = kernels == "simple"  # the ladder's first rungs fuse nothing
+    backend.fused, backend.dependent_launches = fused and not backend.simple, dependent_launches
     backend.batch_invariant = batch_invariant  # every reduction row by row, in a fixed order
     return backend
 
@@ -429,7 +431,7 @@ class LLM:
         self.model_dir = path = resolve_model(model)
         self.config = c = load_config(path)
         self.tokenizer = Tokenizer(path, c.vocab_size)
-        self.backend = make_backend(e.device, e.dtype, e.fused, e.dependent_launches, e.batch_invariant)
+        self.backend = make_backend(e.device, e.dtype, e.fused, e.dependent_launches, e.batch_invariant, e.kernels)
         self.backend.check_model(c)
         # tensor parallelism's seams (parallel.py): the ranks make the model (a shard each) and wrap the runner
         self.ranks = parallel.start(type(self), dict(engine_args, model=path), e, c, self.backend)

@@ -127,6 +127,45 @@ class Roofline:
         self.matmul(work, "mlp_proj+res", T, C, 4 * C, residual=True)
         self.matmul(work, "ln+lm_head", R, V, C, bias=False, ln=True, out_dtype=np.float32)
 
+    def ladder(self, ladder):
+        """Every rung of the kernel ladder (ladder.py), work "ladder": matmul at a decode row of GPT-2 124M (QKV) and
+        gpt2-xl (MLP up), and at a 1024-token prefill (MLP up); layernorm at a decode row and a prefill; attention at
+        64 decode rows of 512 keys and at one causal 1024-token prompt."""
+        C, H, self.ideas = self.C, self.H, {}
+        for M, N, K in ((1, 3 * C, C), (1, 6400, 1600), (1024, 4 * C, C)):
+            nbytes = (N * K + M * K + M * N) * 2
+            n = self.n_rot(nbytes)
+            xs, ws = [self.randn(M, K) for _ in range(min(n, 4))], [self.randn(N, K) / K ** 0.5 for _ in range(n)]
+            one_row = [("wgmma 1 row", "the tensor-core tiles, for one row", ladder.wgmma_for_one_row)] * (M == 1)
+            for name, idea, rung in ladder.matmul()[:-1] + one_row + ladder.matmul()[-1:]:
+                self.ideas[f"matmul {name}"] = idea
+                self.time_kernel("ladder", f"matmul {name}", f"{M}x{N}x{K}", nbytes, 2 * M * N * K,
+                                 lambda i, rung=rung: rung(xs[i % len(xs)], ws[i]), n)
+        for T in (1, 1024):
+            n = self.n_rot(2 * T * C * 2, cap=256)
+            xs, w = [self.randn(T, C) for _ in range(n)], self.randn(C)
+            for name, idea, rung in ladder.layernorm():
+                self.ideas[f"layernorm {name}"] = idea
+                self.time_kernel("ladder", f"layernorm {name}", f"{T}x{C}", 2 * T * C * 2, 8 * T * C,
+                                 lambda i, rung=rung: rung(xs[i], w, w, 1e-5), n)
+        for S, n_q, ctx in ((64, 1, 512), (1, 1024, 1024)):
+            T, nblk = S * n_q, -(-ctx // 16)
+            n = self.n_rot(S * ctx * C * 4)
+            caches = [(self.randn(S * nblk, 16, H, C // H), self.randn(S * nblk, 16, H, C // H)) for _ in range(n)]
+            cu, lens = np.arange(S + 1, dtype=np.int32) * n_q, np.full(S, ctx, np.int32)
+            tables = np.random.permutation(S * nblk).reshape(S, nblk).astype(np.int32)
+            positions = np.tile(np.arange(ctx - n_q, ctx, dtype=np.int32), S)
+            slots = tables[np.repeat(np.arange(S), n_q), positions // 16] * 16 + positions % 16
+            batch = Batch(positions, positions, slots.astype(np.int32), cu, lens, tables, cu[1:] - 1)
+            qkv = self.randn(T, 3 * C)
+            q, k, v = (qkv[:, j * C:(j + 1) * C].reshape(T, H, C // H) for j in range(3))
+            pairs = S * int((ctx - n_q + np.arange(n_q) + 1).sum())  # (query, key) pairs
+            nbytes = (S * ctx * 2 + 4 * T) * C * 2  # K and V read, q read, out and this step's k, v written
+            for name, idea, rung in ladder.attention(batch):
+                self.ideas[f"attention {name}"] = idea
+                self.time_kernel("ladder", f"attention {name}", f"{S}seq q{n_q} ctx{ctx}", nbytes, 4 * C * pairs,
+                                 lambda i, rung=rung: rung(q, k, v, *caches[i], 0.125), n)
+
     def sampler(self):
         """The sampler on random logits (sd 3) of batch 1 and 256: greedy, temperature alone, top-k 50 with top-p 0.95
         (the head's way), top-p 0.95 alone (on rows this flat the race over every token mostly stands), top-k 1000
@@ -165,6 +204,23 @@ class Roofline:
         return rows
 
 
+def print_ladder(roof, copy_gbs, cublas):
+    """The kernel ladder (ladder.py), fp16: each rung's time, its share of the ceiling that binds it, and what its
+    idea bought over the rung before (x prev)."""
+    from ladder import Ladder
+    roof.ladder(Ladder(np.float16))
+    print(f"\nthe kernel ladder, fp16 (x prev: the rung before's time over this one's)\n{'rung':20} {'shape':19} "
+          f"{'us':>9} {'GB/s':>6} {'TFLOP/s':>7} {'share':>12} {'x prev':>6}  the idea")
+    prev = None
+    for r in (r for r in roof.rows if r["work"] == "ladder"):
+        same = prev is not None and prev["shape"] == r["shape"] and prev["kernel"].split()[0] == r["kernel"].split()[0]
+        share = f"{r['gbs'] / copy_gbs:5.0%} copy" if r["bound"] == "memory" else f"{r['tflops'] / cublas:5.0%} cuBLAS"
+        speedup = f"{prev['us'] / r['us']:6.1f}" if same else f"{'':6}"
+        print(f"{r['kernel']:20} {r['shape']:19} {r['us']:9.2f} {r['gbs']:6.0f} {r['tflops']:7.1f} {share:>12} "
+              f"{speedup}  {roof.ideas[r['kernel']]}")
+        prev = r
+
+
 def bench_kernels(results, plot):
     """Ceilings, matmul plans, the roofline of a decode step (batch 1 and 64) and a 2048-token prefill, targets."""
     import cupy as cp
@@ -178,9 +234,10 @@ def bench_kernels(results, plot):
     for work, S, n_q, ctx in (("decode1", 1, 1, 512), ("decode64", 64, 1, 512), ("prefill2048", 2, 1024, 1024)):
         roof.step_kernels(work, S, n_q, ctx)
     roof.sampler()
+    print_ladder(roof, copy_gbs, cublas)
     print(f"{'workload':11} {'kernel':14} {'shape':19} {'us':>8} {'GB/s':>6} {'TFLOP/s':>7} {'%copy':>5} "
           f"{'%cuBLAS':>7}  bound")
-    for r in roof.rows:
+    for r in (r for r in roof.rows if r["work"] != "ladder"):
         print(f"{r['work']:11} {r['kernel']:14} {r['shape']:19} {r['us']:8.2f} {r['gbs']:6.0f} {r['tflops']:7.1f} "
               f"{100 * r['gbs'] / copy_gbs:5.0f} {100 * r['tflops'] / cublas:7.1f}  {r['bound']}")
     results.update(copy_gbs=copy_gbs, cublas_tflops=cublas, roofline=roof.rows, kernel_targets=roof.targets())

@@ -59,6 +59,8 @@ def main():
                     '"num_speculative_tokens": 3}')
     ap.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs each layer is split over (Megatron's "
                     "split; a process a GPU)")
+    ap.add_argument("--kernels", default="fast", choices=["fast", "simple"], help="simple: matmul, layernorm and "
+                    "attention on the kernel ladder's first rungs (kernels.cu, section L), to see what the fast ones buy")
     args = ap.parse_args()
     prompts = args.prompt + [read_prompt(ap, f) for f in args.prompt_file] or [""]
     from nanoinfer import LLM, SamplingParams  # here: a Ctrl-C while numpy loads exits quietly too
@@ -72,7 +74,8 @@ def main():
         ap.error(f"{FLAGS.get(field, field)} {rest.split(': ', 1)[0]}: {rest.split(': ', 1)[-1]}")
     try:
         llm = LLM(args.model, device=args.device, dtype=args.dtype, quantization=args.quantization,
-                  speculative_config=args.speculative_config, tensor_parallel_size=args.tensor_parallel_size)
+                  speculative_config=args.speculative_config, tensor_parallel_size=args.tensor_parallel_size,
+                  kernels=args.kernels)
     except Exception as e:  # a model directory's problem, the download, the GPU: the message says what to do
         sys.exit(f"error: {e}")
     return stream_to_terminal(llm, prompts, params)

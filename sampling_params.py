@@ -126,6 +126,7 @@ class EngineConfig:
     seed: int = 0  # the seeds of requests that bring none are drawn from this one
     cuda_graphs: bool = True  # decode steps (and a lone prompt's prefill) replayed from CUDA graphs
     fused: bool = True  # layernorms, bias, GELU and residual adds inside the matmuls (False: kernels of their own)
+    kernels: str = "fast"  # "simple": matmul, layernorm, attention on the kernel ladder's first rungs (kernels.cu, L)
     num_scheduler_steps: int = 16  # decode steps a CUDA graph run may take (multi-step decoding)
     dependent_launches: bool = True  # a kernel in a graph starts while the one before finishes
     batch_invariant: bool = False  # no row's sums depend on the rest of the batch (bitwise the same solo and batched)
@@ -148,6 +149,7 @@ class EngineConfig:
              "a fraction in (0, 1]"),
             ("seed", is_int(self.seed, 0), "an integer >= 0"),
             ("quantization", self.quantization in (None, "int8"), "None or 'int8'"),
+            ("kernels", self.kernels in ("fast", "simple"), "'fast' or 'simple' (the kernel ladder's first rungs)"),
             ("distributed_executor_backend", self.distributed_executor_backend in (None, "uni", "mp"),
              "'uni' (ranks as threads of this process) or 'mp' (a process a rank)")])
 

@@ -94,7 +94,7 @@ def test_matmul_plan_for_every_gpt2_shape(C):
             assert p.k_per_split % 64 == 0 and (p.splits - 1) * p.k_per_split < K <= p.splits * p.k_per_split
             assert p.splits == 1 or M * N <= cuda_backend.SPLITK_SCRATCH
             assert p.shared_mem <= 227 * 1024
-    assert cuda_backend.plan_matmul(5, 768, 768, True, np.float32, sms).kernel == "matmul_f32"
+    assert cuda_backend.plan_matmul(5, 768, 768, True, np.float32, sms).kernel == "matmul_blocked<float>"
     assert cuda_backend.plan_matmul(5, 768, 768, True, np.float32, sms, int8=True).dequantize
 
 
@@ -114,11 +114,13 @@ def test_batch_invariant_matmul_plan_ignores_M(C):
 
 def test_every_matmul_kernel_is_planned():
     """No dead kernel: each matmul template that kernels.cu instantiates is plan_matmul's pick for some GPT-2 shape
-    (one H200's 132 SMs; fp16 and int8, batch-invariant or not), and it picks nothing kernels.cu does not build."""
-    planned = {cuda_backend.plan_matmul(M, N, K, ln, np.float16, 132, invariant=inv, int8=int8).kernel
+    (one H200's 132 SMs; fp16 and fp32, int8, batch-invariant, kernels="simple" or not) or a rung of the ladder only
+    ladder.py launches, and it picks nothing kernels.cu does not build."""
+    planned = {cuda_backend.plan_matmul(M, N, K, ln, dt, 132, invariant=inv, int8=int8, simple=simple).kernel
                for C in (768, 1600) for M in (*range(1, 520), 2048, 8192)
                for N, K, ln in gpt2_matmuls(C)
-               for int8, inv in itertools.product((False, True), repeat=2)}
+               for dt, int8, inv, simple in itertools.product((np.float16, np.float32), *[(False, True)] * 3)}
+    planned |= {"matmul_tiled<half>", "matmul_tiled<float>", "matmul_blocked<half>"}  # ladder.py's middle rungs
     built = {t for t in cuda_backend.templates(cuda_backend.KERNELS_CU.read_text()) if t.startswith("matmul")}
     assert built == planned, f"built, never planned: {sorted(built - planned)}; planned, not built: " \
                              f"{sorted(planned - built)}"
@@ -157,7 +159,7 @@ def test_matmul(be, M, N, K, epi):
                                      (50257, 768, "ln")])
 def test_int8_matmul(be, M, N, K, epi):
     """W8A16 (quantization='int8'): int8 rows with a float32 scale each, against the numpy twin (x @ q.T, then the
-    scale) in float64: the gemv and the skinny kernel read int8 as it is, matmul_tc and matmul_f32 get it dequantized,
+    scale) in float64: the gemv and the skinny kernel read int8 as it is, matmul_tc and matmul_blocked get it dequantized,
     every one scales in its epilogue; the layernorm in front and the epilogue as in test_matmul."""
     dt = be.dtype.type
     x, bias, res, gelu, ln, ln_gpu = matmul_inputs(M, N, K, epi, dt)
