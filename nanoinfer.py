@@ -36,8 +36,7 @@ def gelu_tanh(x):
 
 
 def sample_key(seed, token_index):
-    """The random key of a sequence's token_index-th output token: splitmix64 of seed + (token_index + 1) * the golden
-    ratio (uint64)."""
+    """A sequence's token_index-th output token's random key: splitmix64 of seed + (token_index + 1) * golden ratio."""
     seed, token_index = np.asarray(seed, np.uint64), np.asarray(token_index, np.uint64)
     z = seed + (token_index + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15)
     z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
@@ -478,8 +477,7 @@ class LLM:
         return kv
 
     def add_request(self, prompt, params=None, outbox=None):
-        """Queue a request; its events go to outbox.append (None: step() returns them). A bad one raises ValueError
-        here and the others go on."""
+        """Queue a request; its events go to outbox.append (None: step() returns them). A bad one raises ValueError."""
         return self._add(prompt, params, self._step_outbox if outbox is None else outbox)
 
     def _add(self, prompt, params, outbox):
