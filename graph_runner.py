@@ -29,9 +29,13 @@ PADDING = dict(seed=0, temperature=0, top_p=1, top_k=0, min_p=0, input_ids=0,  #
                token_index=0, remaining=0, positions=0, slot_mapping=-1)
 
 
+def bucket(rows):  # the smallest decode batch size with a graph that holds `rows`
+    return next(b for b in GRAPH_BUCKETS if b >= rows)
+
+
 class Buffers:
-    """A graph's inputs, named arrays in one host buffer and its device copy (cuda_backend.layout): one copy a replay.
-    host[name] and dev[name] are the views; set() writes a field's first rows, padding after them."""
+    """A graph's inputs: named arrays in one host buffer and its device copy (cuda_backend.layout), one copy a replay.
+    host[name] and dev[name] are the views."""
     def __init__(self, fields, stream):
         self.where, size = layout(fields)
         self.host_buffer = np.zeros(size, np.int32)
@@ -39,20 +43,14 @@ class Buffers:
             self.dev_buffer = cp.asarray(self.host_buffer)
         self.host, self.dev = views(self.host_buffer, self.where), views(self.dev_buffer, self.where)
 
-    def set(self, name, values):
-        field = self.host[name]
-        field[:len(values)], field[len(values):] = values, PADDING[name]
+    def set(self, name, values):  # a field's first rows (a table's: its corner), padding (or zeros) after them
+        field, values = self.host[name], np.asarray(values)
+        field[...] = PADDING.get(name, 0)
+        field[tuple(slice(n) for n in values.shape)] = values
 
-    def upload(self, stream, first=None):
-        """Copy the host buffer over: all of it, or from field `first` on."""
+    def upload(self, stream, first=None):  # the host buffer copied over: all of it, or from field `first` on
         start = 0 if first is None else self.where[first][0]
         self.dev_buffer[start:].set(self.host_buffer[start:], stream=stream)
-
-
-def fill_block_tables(out, tables):
-    """A graph's (B, W) block tables: each sequence's row, zeros past it (entries never read) and for padding rows."""
-    out[...] = 0
-    out[:tables.shape[0], :tables.shape[1]] = tables
 
 
 def capture(backend, stream, pool, step):
@@ -66,8 +64,7 @@ def capture(backend, stream, pool, step):
     return graph
 
 
-def steps_left(seqs, ahead, n_ctx):
-    """(S,) the decode steps each sequence may still take, `ahead` steps past the host's tokens (0: done)."""
+def steps_left(seqs, ahead, n_ctx):  # (S,) the decode steps each may still take, `ahead` past the host's tokens
     return np.array([0 if s.finish_reason else min(s.params.max_tokens - s.num_output, n_ctx - len(s.token_ids))
                      - ahead for s in seqs]).clip(0)
 
@@ -116,15 +113,11 @@ class GraphRun:
     first_ring_row: int
     done: object
 
-    def tokens(self):
-        """{sequence: its tokens}, once the run is done: a token a step, as many as it was allowed."""
+    def tokens(self):  # {sequence: its tokens}, once the run is done: a token a step, as many as it was allowed
         self.done.synchronize()
         ring = self.graph.token_ring.get()
         steps = ring[(self.first_ring_row + np.arange(self.plan.num_steps)) % len(ring)]  # (num_steps, B)
         return {s: steps[:n, row].tolist() for row, (s, n) in enumerate(zip(self.seqs, self.plan.remaining))}
-
-    def starts_at(self, seq):  # whether the run's first step computes seq's last token
-        return self.first_positions.get(seq.seq_id) == len(seq.token_ids) - 1
 
 
 class DecodeGraph:
@@ -143,7 +136,6 @@ class DecodeGraph:
         d = self.buf.dev
         with stream:
             self.token_ring = cp.zeros((2 * MAX_STEPS_PER_RUN, B), np.int32)  # one run's tokens while the next runs
-            self.ring_row = 0  # the ring row the next step writes (the GPU keeps its own count in `ring_row`)
             ids = cp.arange(B + 1, dtype=np.int32)
             # CudaBackend.to_device's fields for B decode rows: attention_decode's rows, or one-query tiles (tile_min_q)
             attention = dict(row_q=ids[:B], row_seq=ids[:B], row_len=d["context_lens"], tile_seq=ids[:0],
@@ -151,9 +143,8 @@ class DecodeGraph:
                 row_q=ids[:0], row_seq=ids[:0], row_len=ids[:0], tile_seq=ids[:B], tile_q0=cp.zeros_like(ids[:B]))
             # kept here: the graph holds the pointers of these arrays, not the arrays (freed, their memory is reused)
             self.batch = batch = device_batch(
-                input_ids=d["input_ids"], positions=d["positions"], slot_mapping=d["slot_mapping"],
-                context_lens=d["context_lens"], block_tables=d["block_tables"], cu_seqlens_q=ids, logits_idx=None,
-                max_row_len=n_ctx, **attention)
+                **{f: d[f] for f in ("input_ids", "positions", "slot_mapping", "context_lens", "block_tables")},
+                cu_seqlens_q=ids, logits_idx=None, max_row_len=n_ctx, **attention)
             sampling = {f: d[f] for f in SAMPLING}
             self.start(np.zeros(0, np.int32), {f: [] for f in SAMPLING}, RunPlan(0, *([],) * 4, np.zeros((0, 1))))
 
@@ -165,12 +156,10 @@ class DecodeGraph:
                     np.int32(len(self.token_ring)), d["ring_row"], np.int32(B)))
             self.graph = capture(backend, stream, pool, step)
 
-    def start(self, input_ids, sampling, plan):
-        """Load n <= B rows (their last tokens, sampling parameters, plan); the rest are padding."""
-        for name in ("temperature", "top_k", "top_p", "min_p", "seed"):
-            self.buf.set(name, sampling[name])
-        self.buf.set("input_ids", input_ids)
-        self.buf.host["ring_row"][0] = self.ring_row = 0
+    def start(self, input_ids, sampling, plan):  # n <= B rows (last tokens, sampling, plan) loaded, padding after
+        for name, values in {**sampling, "input_ids": input_ids}.items():  # (token_index: the plan's, below)
+            self.buf.set(name, values)
+        self.buf.host["ring_row"][0] = self.ring_row = 0  # the ring row the next step writes (the GPU counts its own)
         self._write_rows(plan)
         self.buf.upload(self.stream)
 
@@ -180,13 +169,11 @@ class DecodeGraph:
         self.buf.upload(self.stream, first="token_index")
 
     def _write_rows(self, plan):
-        for name in ("token_index", "remaining", "positions", "slot_mapping"):
+        for name in ("token_index", "remaining", "positions", "slot_mapping", "block_tables"):
             self.buf.set(name, getattr(plan, name))
         self.buf.host["context_lens"][:] = self.buf.host["positions"] + 1  # position p sees p + 1 keys; padding sees 1
-        fill_block_tables(self.buf.host["block_tables"], plan.block_tables)
 
-    def launch(self, seqs, sampling, plan):
-        """Replay the step plan.num_steps times for these sequences (its rows)."""
+    def launch(self, seqs, sampling, plan):  # the step replayed plan.num_steps times for these sequences (its rows)
         first = self.ring_row
         self.ring_row += plan.num_steps
         for _ in range(plan.num_steps):
@@ -202,30 +189,28 @@ class ChunkGraph:
     prompt's prefill (B 1, samples 1), or decodes' drafts to verify (samples T). Eager, such a step launches ~100
     kernels from Python, which costs more than GPT-2's GPU work. A chunk is padded to T tokens: a pad computes at its
     sequence's last real position and writes no cache slot; each sequence is declared T queries long, so each real
-    query keeps its position and sees only real keys. `around` (SpecGraph) adds kernels before and after the step."""
-    def __init__(self, chunk_step, backend, kv, n_ctx, T, samples, stream, pool, B=1, around=None):
+    query keeps its position and sees only real keys."""
+    def __init__(self, chunk_step, backend, kv, n_ctx, T, samples, stream, pool, B=1):
         self.T, self.samples, self.B, self.stream, self.min_q = T, samples, B, stream, backend.tile_min_q
-        self.width = kv.blocks_needed(n_ctx + T)  # the pads' queries may look past the context: entries 0
+        self.chunk_step, self.width = chunk_step, kv.blocks_needed(n_ctx + T)  # pads may look past the context
         # the inputs: a padded batch's fields (their sizes never change), then each sampled row's sampling parameters
         template = batch_fields(self.padded(types.SimpleNamespace(
-            input_ids=[0], positions=[0], slot_mapping=[-1], context_lens=[1], block_tables=np.zeros((1, 1)),
+            input_ids=[0], positions=[0], slot_mapping=[-1], context_lens=[1], block_tables=np.zeros((B, self.width)),
             logits_idx=[0], cu_seqlens_q=[0, 1]))[0], self.min_q)
         self.buf = Buffers({**{f: (a.shape, np.int32) for f, a in template.items()},
                             **{f: ((B * samples,), t) for f, t in SAMPLING.items()}}, stream)
         for f, a in template.items():
-            self.buf.host[f][...] = a
+            self.buf.set(f, a)
         self.buf.upload(stream)
         with stream:
-            self.batch = batch = device_batch(**{"logits_idx": None, **{f: self.buf.dev[f] for f in template}},
-                                              max_row_len=n_ctx + T)
+            self.batch = device_batch(**{"logits_idx": None, **{f: self.buf.dev[f] for f in template}},
+                                      max_row_len=n_ctx + T)
             self.sampling = {f: self.buf.dev[f] for f in SAMPLING}
             self.tokens = cp.zeros(B * samples, np.int32)  # where every replay leaves the sampled tokens (no pool)
+            self.graph = capture(backend, stream, pool, self.step)
 
-            def step():
-                around and around.before(self)
-                self.tokens[...] = chunk_step(batch, self.sampling)
-                around and around.after(self)
-            self.graph = capture(backend, stream, pool, step)
+    def step(self):  # what each replay runs (SpecGraph adds kernels before and after)
+        self.tokens[...] = self.chunk_step(self.batch, self.sampling)
 
     def padded(self, batch):
         """The host fields of this batch of at most B sequences, padded to B chunks of T tokens; and `slots`, where
@@ -240,20 +225,17 @@ class ChunkGraph:
         slots = of * self.samples + np.arange(len(sampled)) - np.searchsorted(of, of)
         logits_idx = np.zeros(self.B * self.samples, np.int32)
         logits_idx[slots] = of * T + sampled - cu[of]
-        tables = np.zeros((self.B, self.width), np.int32)
-        fill_block_tables(tables, np.asarray(batch.block_tables))
         return types.SimpleNamespace(
             input_ids=np.where(real, np.asarray(batch.input_ids)[src], 0),
             positions=np.where(seq < S, np.asarray(batch.positions)[src], 0),
             slot_mapping=np.where(real, np.asarray(batch.slot_mapping)[src], -1),
-            cu_seqlens_q=np.arange(0, self.B * T + 1, T), block_tables=tables, logits_idx=logits_idx,
+            cu_seqlens_q=np.arange(0, self.B * T + 1, T), block_tables=batch.block_tables, logits_idx=logits_idx,
             context_lens=np.concatenate([np.asarray(batch.context_lens) + T - n, np.full(self.B - S, T)])), slots
 
-    def run(self, batch, sampling):
-        """{sequence: its sampled tokens}: the inputs copied in (one copy), a replay."""
+    def run(self, batch, sampling):  # {sequence: its sampled tokens}: the inputs copied in (one copy), a replay
         padded, slots = self.padded(batch)
         for f, a in batch_fields(padded, self.min_q).items():
-            self.buf.host[f][...] = a
+            self.buf.set(f, a)  # (block tables: zeros past the sequences' entries, never read)
         for f in SAMPLING:
             values, field = np.asarray(getattr(sampling, f)), self.buf.host[f]
             field[:] = values[-1]  # rows no one samples: anything
@@ -264,62 +246,55 @@ class ChunkGraph:
         return {s: tokens[a:b].tolist() for s, a, b in zip(batch.seqs, rows[:-1], rows[1:]) if b > a}
 
 
-class SpecGraph:
+class SpecGraph(ChunkGraph):
     """n-gram speculation chained on the GPU, many steps a run as DecodeGraph's: a replay is propose -> verify ->
     accept. ngram_propose makes each row's draft from its token history (speculation.py's rule) and its chunk of T =
-    k + 1 queries; a ChunkGraph's forward samples a token at each; spec_accept keeps the draft to its first miss, and
+    k + 1 queries; the chunk's forward samples a token at each; spec_accept keeps the draft to its first miss, and
     the token sampled there, appended to the history and to a ring (per step and row: tokens kept, drafts verified,
     the tokens). A row that has made all it may turns to padding. The host pays once a run, not once a step."""
     def __init__(self, chunk_step, backend, kv, n_ctx, proposer, stream, pool, B):
-        self.B, self.T, self.n_ctx, self.stream, self.backend, self.kv = B, proposer.k + 1, n_ctx, stream, backend, kv
-        self.proposer = proposer
+        self.n_ctx, self.backend, self.kv, self.proposer, T = n_ctx, backend, kv, proposer, proposer.k + 1
         state = dict(history=(B * n_ctx,), length=(B,), remaining=(B,), token_base=(B,), ndraft=(B,), step=(B,))
         self.state = Buffers({f: (shape, np.int32) for f, shape in state.items()}, stream)
         with stream:
-            self.ring = cp.zeros((MAX_STEPS_PER_RUN, B, self.T + 2), np.int32)
-            self.scratch = cp.zeros(B * self.T, np.int32)  # row lengths no kernel reads (a tiled chunk's)
-        self.chunk = c = ChunkGraph(chunk_step, backend, kv, n_ctx, self.T, self.T, stream, pool, B, around=self)
-        c.buf.host["logits_idx"][:] = np.arange(B * self.T)  # every query samples
+            self.ring = cp.zeros((MAX_STEPS_PER_RUN, B, T + 2), np.int32)
+            self.scratch = cp.zeros(B * T, np.int32)  # row lengths no kernel reads (a tiled chunk's)
+        super().__init__(chunk_step, backend, kv, n_ctx, T, T, stream, pool, B)
+        self.buf.host["logits_idx"][:] = np.arange(B * T)  # every query samples
 
-    def before(self, chunk):
-        s, b = self.state.dev, chunk.batch
+    def step(self):
+        s, b = self.state.dev, self.batch
         self.backend.launch("ngram_propose", (self.B,), (128,), (
             s["history"], s["length"], s["remaining"], s["token_base"], s["ndraft"], b.input_ids, b.positions,
-            b.slot_mapping, b.context_lens, b.row_len if b.n_rows else self.scratch, chunk.sampling["token_index"],
-            b.block_tables, np.int32(chunk.width), np.int32(self.kv.block_size), np.int32(self.n_ctx),
+            b.slot_mapping, b.context_lens, b.row_len if b.n_rows else self.scratch, self.sampling["token_index"],
+            b.block_tables, np.int32(self.width), np.int32(self.kv.block_size), np.int32(self.n_ctx),
             np.int32(self.T), np.int32(self.proposer.n_min), np.int32(self.proposer.n_max)))
-
-    def after(self, chunk):
-        s = self.state.dev
+        super().step()
         self.backend.launch("spec_accept", (-(-self.B // 128),), (128,), (
-            chunk.tokens, chunk.batch.input_ids, s["ndraft"], s["history"], s["length"], s["remaining"],
-            s["token_base"], s["step"], self.ring, np.int32(self.B), np.int32(self.T), np.int32(self.n_ctx)))
+            self.tokens, b.input_ids, s["ndraft"], s["history"], s["length"], s["remaining"], s["token_base"],
+            s["step"], self.ring, np.int32(self.B), np.int32(self.T), np.int32(self.n_ctx)))
 
     def run(self, seqs, sampling, plan):
         """{sequence: the tokens it kept, in order}: the sequences loaded (their tokens, the plan's blocks and steps,
         their sampling parameters on each of their T queries), plan.num_steps replays; vLLM's counters counted."""
-        host, c, n = self.state.host, self.chunk, len(seqs)
-        for f in ("length", "remaining", "token_base", "ndraft", "step"):  # the history past a row's length: not read
-            host[f][:] = 0
-        for row, seq in enumerate(seqs):  # history: (B, n_ctx), each row's token ids
-            host["history"][row * self.n_ctx:row * self.n_ctx + len(seq.token_ids)] = seq.token_ids
-        host["length"][:n] = [len(seq.token_ids) for seq in seqs]
-        host["remaining"][:n], host["token_base"][:n] = plan.remaining, plan.token_index
-        fill_block_tables(c.buf.host["block_tables"], plan.block_tables)
-        for f, t in SAMPLING.items():  # a row's parameters on each of its T queries (padding: a padding row's)
-            c.buf.host[f][:] = np.repeat(np.concatenate([getattr(sampling, f), np.full(self.B - n, PADDING[f], t)]),
-                                         self.T)
-        c.buf.upload(self.stream)
+        for row, seq in enumerate(seqs):  # history: (B, n_ctx), each row's token ids (past its length: not read)
+            self.state.host["history"][row * self.n_ctx:row * self.n_ctx + len(seq.token_ids)] = seq.token_ids
+        for f, values in dict(length=[len(seq.token_ids) for seq in seqs], remaining=plan.remaining,
+                              token_base=plan.token_index, ndraft=[], step=[]).items():
+            self.state.set(f, values)
+        self.buf.set("block_tables", plan.block_tables)
+        for f in SAMPLING:  # a row's parameters on each of its T queries (padding: a padding row's)
+            self.buf.set(f, np.repeat(getattr(sampling, f), self.T))
+        self.buf.upload(self.stream)
         self.state.upload(self.stream)
         for _ in range(plan.num_steps):
-            c.graph.launch(self.stream)
-        ring, kept = self.ring[:plan.num_steps].get(stream=self.stream), {}
+            self.graph.launch(self.stream)
+        ring, kept = self.ring[:plan.num_steps].get(stream=self.stream), {seq: [] for seq in seqs}
         for row, seq in enumerate(seqs):
-            kept[seq] = []
-            for step in ring[:, row]:  # (tokens kept, drafts verified, the tokens)
-                if step[0]:  # (0: the row had made all it may)
-                    kept[seq] += step[2:2 + step[0]].tolist()
-                    self.proposer.count(seq, int(step[1]), int(step[0]) - 1)
+            for n, verified, *tokens in ring[:, row].tolist():  # a step's tokens kept (0: the row had made all it
+                if n:  # may), drafts verified, the tokens
+                    kept[seq] += tokens[:n]
+                    self.proposer.count(seq, verified, n - 1)
         return kept
 
 
@@ -328,26 +303,24 @@ class GraphRunner:
     drafts to verify, or n-gram speculation's chained steps (SpecGraph). One stream: the engine's eager steps run on
     it too (eager()), so a run ends before later work reuses its blocks."""
     def __init__(self, decode_step, backend, kv, n_ctx, engine, scheduler=None, proposer=None):
-        self.backend, self.kv, self.n_ctx, self.scheduler, self.proposer = backend, kv, n_ctx, scheduler, proposer
+        self.kv, self.n_ctx, self.scheduler, self.proposer = kv, n_ctx, scheduler, proposer
         self.num_scheduler_steps = min(engine.num_scheduler_steps, MAX_STEPS_PER_RUN)
         if scheduler is not None:  # an admission is an eager step that ends the runs of graph steps: a full engine
             scheduler.admission_group = max(1, engine.max_num_seqs // ADMIT_GROUP)  # lets requests in by groups
         self.stream = cp.cuda.Stream(non_blocking=True)
         self.in_flight = None  # a run launched and not yet read
         # a graph a bucket up to max_num_seqs, the largest first: the smaller reuse its activations (one shared pool)
-        pool, big = cp.cuda.MemoryPool(), [b for b in GRAPH_BUCKETS if b >= engine.max_num_seqs][:1]
-        self.buckets = [b for b in GRAPH_BUCKETS if b < engine.max_num_seqs] + big
-        self.graphs = {B: DecodeGraph(decode_step, backend, kv, n_ctx, B, self.stream, pool)
-                       for B in reversed(self.buckets)}
+        top, pool = bucket(min(engine.max_num_seqs, GRAPH_BUCKETS[-1])), cp.cuda.MemoryPool()
+        buckets, ngram = [b for b in reversed(GRAPH_BUCKETS) if b <= top], getattr(proposer, "method", None) == "ngram"
+        self.graphs = {B: DecodeGraph(decode_step, backend, kv, n_ctx, B, self.stream, pool) for B in buckets}
         self.prefills = {T: ChunkGraph(decode_step, backend, kv, n_ctx, T, 1, self.stream, pool)
                          for T in reversed(PREFILL_BUCKETS) if T <= n_ctx}
-        ngram, k1 = getattr(proposer, "method", None) == "ngram", proposer and proposer.k + 1  # (speculation.py)
         self.spec = {B: SpecGraph(decode_step, backend, kv, n_ctx, proposer, self.stream, pool, B)
-                     for B in reversed(self.buckets)} if proposer and ngram else {}
-        self.verify = {B: ChunkGraph(decode_step, backend, kv, n_ctx, k1, k1, self.stream, pool, B)
-                       for B in reversed(self.buckets)} if proposer and not ngram else {}
+                     for B in buckets if ngram}  # (speculation.py's proposers)
+        self.verify = {B: ChunkGraph(decode_step, backend, kv, n_ctx, proposer.k + 1, proposer.k + 1, self.stream,
+                                     pool, B) for B in buckets if proposer and not ngram}
         self.description = f"{len(self.graphs) + len(self.prefills) + len(self.spec) + len(self.verify)} CUDA " \
-            f"graphs (decode batches of 1 to {self.buckets[-1]} rows, prefills of up to {max(self.prefills)} tokens)"
+            f"graphs (decode batches of 1 to {top} rows, prefills of up to {max(self.prefills)} tokens)"
 
     def takes(self, batch):
         """Whether the graphs run this batch, each sequence sampling as they do (no log-probs or edited logits): a
@@ -361,8 +334,7 @@ class GraphRunner:
             return bool(self.verify) and S <= max(self.verify) and max(np.diff(batch.cu_seqlens_q)) <= self.verify[1].T
         return S == R == 1 and T <= max(self.prefills, default=0)
 
-    def running_ahead(self):
-        """Whether a run launched ahead computes running sequences (a request let in would end it unread)."""
+    def running_ahead(self):  # whether a run launched ahead computes running sequences (an admission ends it unread)
         return self.in_flight is not None and any(not s.finish_reason for s in self.in_flight.seqs)
 
     def run(self, batch, sampling):
@@ -373,20 +345,20 @@ class GraphRunner:
         S, drafting = len(batch.seqs), self.proposer is not None and self.proposer.active(len(batch.seqs))
         if len(batch.input_ids) > S:
             self.in_flight = None
-            chunks = self.verify[min(B for B in self.verify if B >= S)] if batch.num_sampled.sum() > 1 else \
+            chunks = self.verify[bucket(S)] if batch.num_sampled.sum() > 1 else \
                 self.prefills[min(T for T in self.prefills if T >= len(batch.input_ids))]
             return chunks.run(batch, sampling)
         if drafting and self.spec:
-            graph = self.spec[next(b for b in GRAPH_BUCKETS if b >= S)]
+            graph = self.spec[bucket(S)]
             plan = plan_run(self.kv, batch.seqs, 0, self.num_scheduler_steps, self.n_ctx, graph.T)
             if plan is not None:  # else too few free blocks for a whole chunk: a plain step
                 self.in_flight = None
                 return graph.run(batch.seqs, sampling, plan)
-        run = self.in_flight
-        if not (run and all(run.starts_at(s) for s in batch.seqs)):
+        run = self.in_flight  # it computes these sequences if its first step computes each one's last token
+        if not (run and all(run.first_positions.get(s.seq_id) == len(s.token_ids) - 1 for s in batch.seqs)):
             # one step when the host drafts next (a draft model's): more would run past tokens a draft could make
             plan = plan_run(self.kv, batch.seqs, 0, 1 if drafting else self.num_scheduler_steps, self.n_ctx)
-            graph = self._graph_for(S)
+            graph = self.graphs[bucket(S)]
             graph.start(np.array([s.token_ids[-1] for s in batch.seqs], np.int32), sampling._asdict(), plan)
             run = graph.launch(batch.seqs, sampling, plan)
         ahead = self.scheduler is not None and not (drafting or self.scheduler.wants_admission())
@@ -394,19 +366,13 @@ class GraphRunner:
         tokens = run.tokens()
         return {s: tokens[s] for s in batch.seqs}
 
-    def _graph_for(self, rows):
-        return self.graphs[next(b for b in GRAPH_BUCKETS if b >= rows)]
-
     def _next_run(self, run, seqs):
         """The run after `run`, launched now if it can go on without the scheduler (this step reads every unfinished
         row of `run`, and some have steps left): its rows keep their graph, or move to a smaller one that fits."""
-        unfinished = sum(not s.finish_reason for s in run.seqs)
-        if self.num_scheduler_steps == 1 or len(seqs) != unfinished:
-            return None
         live = np.flatnonzero(steps_left(run.seqs, run.plan.num_steps, self.n_ctx))
-        if not len(live):
+        if self.num_scheduler_steps == 1 or len(seqs) != sum(not s.finish_reason for s in run.seqs) or not len(live):
             return None
-        graph, seqs, sampling = self._graph_for(len(live)), run.seqs, run.sampling
+        graph, seqs, sampling = self.graphs[bucket(len(live))], run.seqs, run.sampling
         if graph is not run.graph:
             seqs, sampling = [run.seqs[i] for i in live], type(run.sampling)(*(a[live] for a in run.sampling))
         plan = plan_run(self.kv, seqs, run.plan.num_steps, self.num_scheduler_steps, self.n_ctx)
@@ -421,8 +387,7 @@ class GraphRunner:
         return graph.launch(seqs, sampling, plan)
 
     @contextlib.contextmanager
-    def eager(self):
-        """For a step the graphs do not take: on their stream, after what they launched (a run ahead it drops)."""
+    def eager(self):  # for a step the graphs do not take: on their stream, after what they launched (drops a run ahead)
         self.in_flight = None
         with self.stream:
             yield
