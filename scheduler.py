@@ -28,21 +28,17 @@ class Sequence:
         self.index = index  # which of the request's n samples
         self.prompt_token_ids = list(prompt_token_ids)
         self.token_ids = list(prompt_token_ids)  # prompt + output
-        self.params = params
-        self.seed = seed  # makes the samples of this request independent of the rest of the batch
+        self.params, self.seed = params, seed  # the seed makes its samples independent of the rest of the batch
         self.num_computed = 0  # tokens whose K/V are in the cache
-        self.finish_reason = None
-        self.stop_reason = None  # the stop string or stop token id that ended it
-        self.error = None  # why, when finish_reason is 'error'
+        # why it ended: 'stop' (with the stop string or token id, or None for EOS), 'length', 'abort' or 'error' (why)
+        self.finish_reason = self.stop_reason = self.error = None
         self.num_cached_tokens = None  # at its first admission: the tokens whose KV the prefix cache held
         self.draft = []  # tokens it computes after its last this step, guesses of what comes next (speculation.py)
         self.num_draft_tokens = self.num_accepted_tokens = 0  # draft tokens it had verified, and kept
         self.logprobs = [] if params.logprobs is not None else None
         # the first sample computes the prompt's log-probs (the others share its KV): None for its first token
         self.prompt_logprobs = [None] if params.prompt_logprobs is not None and index == 0 else None
-        self.text = ""
-        self.num_streamed = 0  # characters of text already handed out by stream()
-        self.num_tokens_streamed = 0  # output tokens already handed out with them
+        self.text, self.num_streamed, self.num_tokens_streamed = "", 0, 0  # the characters, tokens stream() handed out
         self._tokenizer = tokenizer
         # bytes of one character can be split across tokens: the decoder holds them back until complete
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -62,7 +58,7 @@ class Sequence:
     def tokens_to_compute(self, n):
         """Its next n tokens to compute: its own from num_computed on, then, past its last, those it computes ahead."""
         ids = self.token_ids[self.num_computed:self.num_computed + n]
-        return ids + self.draft[:n - len(ids)] if len(ids) < n else ids
+        return ids + self.draft[:n - len(ids)]
 
     def history(self, j):
         """What a row j tokens past its last token sees before it: its tokens, then the first j it computes ahead."""
@@ -223,23 +219,18 @@ class Scheduler:
     def schedule(self, admit=True):
         """Pick this step's work: a list of (sequence, number of its tokens to compute now). admit=False: no waiting
         request comes in this step (the engine's GPU still runs decode steps it launched ahead)."""
-        budget = self.max_num_batched_tokens
-        scheduled = {}
+        budget, scheduled, preempted = self.max_num_batched_tokens, {}, set()
         decodes = [s for s in self.running if s.num_uncomputed == 1]
         prefills = [s for s in self.running if s.num_uncomputed > 1]
-        preempted = set()
         for seq in decodes + prefills:
             if budget == 0:
                 break
-            if seq in preempted:
-                continue
             n = min(seq.num_uncomputed, budget)
-            while not self._fits(seq, seq.num_computed + n):
+            while seq not in preempted and not self._fits(seq, seq.num_computed + n):  # seq may be the one preempted
                 victim = next(s for s in reversed(self.running) if s not in scheduled)
-                self._preempt(victim)
+                self.requeue(victim)
+                self.num_preemptions += 1
                 preempted.add(victim)
-                if victim is seq:
-                    break
             if seq not in preempted:
                 self.kv.grow(seq.seq_id, seq.num_computed + n)
                 scheduled[seq] = n
@@ -254,8 +245,7 @@ class Scheduler:
             n = min(seq.num_uncomputed, budget)
             if not self._fits(seq, seq.num_computed + n):
                 break
-            self.waiting.popleft()
-            self.running.append(seq)
+            self.running.append(self.waiting.popleft())
             self.kv.grow(seq.seq_id, seq.num_computed + n)
             scheduled[seq] = n
             budget -= n
@@ -272,10 +262,6 @@ class Scheduler:
             self.kv.free(holder.seq_id)
             holder.num_computed = 0
         return True
-
-    def _preempt(self, seq):
-        self.requeue(seq)
-        self.num_preemptions += 1
 
     def requeue(self, seq):
         """Recompute later: free its blocks, forget its cache, and put it first in line."""
