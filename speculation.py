@@ -76,8 +76,7 @@ class Proposer:
 
 
 class DraftingScheduler(Scheduler):
-    """The scheduler, then drafts: each decode scheduled that the proposer has a guess for computes the guess too, as
-    far as the step's token budget and the free blocks allow (a draft never preempts)."""
+    """The scheduler, then drafts for its decodes, within the step's token budget and free blocks (never preempting)."""
     def __init__(self, proposer, kv, max_num_seqs, max_num_batched_tokens):
         super().__init__(kv, max_num_seqs, max_num_batched_tokens)
         self.proposer = proposer
@@ -85,9 +84,7 @@ class DraftingScheduler(Scheduler):
     def schedule(self, admit=True):
         drafting = self.proposer.active(len(self.running))  # (as many run as before any comes in or is preempted)
         scheduled = super().schedule(admit)
-        if not drafting:
-            return scheduled
-        budget = self.max_num_batched_tokens - sum(n for _, n in scheduled)
+        budget = self.max_num_batched_tokens - sum(n for _, n in scheduled) if drafting else 0  # tokens left for drafts
         for i, (seq, n) in enumerate(scheduled):
             if seq.num_uncomputed != 1 or budget == 0:  # a prompt's chunk, or no room left in the step
                 continue
@@ -102,33 +99,23 @@ class DraftingScheduler(Scheduler):
 
 
 class Verifier:
-    """The runner, then the judgement: a sequence that computed a draft sampled a token at its last token and at each
-    draft token; it keeps the draft up to the first token sampled otherwise, and that sampled token."""
+    """The runner, then the judgement: a draft kept up to its first token sampled otherwise, and that sampled token."""
     def __init__(self, runner, proposer):
         self.runner, self.proposer = runner, proposer
+        self.running_ahead, self.wait, self.step_failed = runner.running_ahead, runner.wait, runner.step_failed
         proposer.on_device = isinstance(proposer, NgramProposer) and runner.graphs is not None
 
     def run(self, batch):
         sampled = self.runner.run(batch)
-        for seq in batch.seqs:
-            if seq.draft:
-                got, draft = sampled[seq], seq.draft
-                kept = next((i for i, token in enumerate(got.token_ids[:-1]) if token != draft[i]),
-                            len(got.token_ids) - 1)  # draft tokens kept: the rows after them sampled them
-                sampled[seq] = dataclasses.replace(got, token_ids=got.token_ids[:kept + 1], logits=None if
-                                                   got.logits is None else got.logits[:kept + 1])
-                self.proposer.count(seq, len(got.token_ids) - 1, kept)
-                seq.draft = []
+        for seq in [s for s in batch.seqs if s.draft]:
+            got = sampled[seq]
+            kept = next((i for i, token in enumerate(got.token_ids[:-1]) if token != seq.draft[i]),
+                        len(got.token_ids) - 1)  # draft tokens kept: the rows after them sampled them
+            logits = None if got.logits is None else got.logits[:kept + 1]
+            sampled[seq] = dataclasses.replace(got, token_ids=got.token_ids[:kept + 1], logits=logits)
+            self.proposer.count(seq, len(got.token_ids) - 1, kept)
+            seq.draft = []
         return sampled
-
-    def running_ahead(self):
-        return self.runner.running_ahead()
-
-    def wait(self):
-        self.runner.wait()
-
-    def step_failed(self, error):
-        self.runner.step_failed(error)
 
 
 class NgramProposer(Proposer):
@@ -152,21 +139,18 @@ class NgramProposer(Proposer):
         if room <= 0 or self.on_device and seq.logprobs is None and not seq.edits_logits:
             return []
         ids = np.asarray(seq.token_ids)
-        ends, found = np.flatnonzero(ids[:-1] == ids[-1]), None  # where earlier occurrences of the last token end
-        for n in range(1, min(self.n_max, len(ids) - 1) + 1):  # those that match the last n tokens, n = 1, 2, ...
-            if n > 1:
-                ends = ends[ends >= n - 1]
-                ends = ends[ids[ends - n + 1] == ids[-n]]
+        ends, found = np.arange(len(ids) - 1), None  # where earlier occurrences of the last n tokens end, n = 1, 2, ...
+        for n in range(1, min(self.n_max, len(ids) - 1) + 1):
+            ends = ends[ends >= n - 1]
+            ends = ends[ids[ends - n + 1] == ids[-n]]
             if not len(ends):
                 break
             if n >= self.n_min:
                 found = ends[-1]  # the latest of the longest so far
         if found is None:
             return []
-        source = ids[found + 1:].tolist()  # from what followed it to the end, then the draft so far
-        for i in range(room):
-            source.append(source[i])
-        return source[len(source) - room:]
+        loop = len(ids) - 1 - found  # what followed it, to the end: the draft repeats it
+        return [seq.token_ids[found + 1 + i % loop] for i in range(room)]
 
 
 class DraftModel:
@@ -266,24 +250,23 @@ def ngram_propose(history, length, remaining, token_base, ndraft, input_ids, pos
                   row_len, token_index, block_tables, width, block_size, n_ctx, T, n_min, n_max):
     """kernels.cu's ngram_propose, a row at a time: the row's draft by NgramProposer.propose's rule, then its chunk of
     T queries: last token, draft, pads at the last real position; a finished row is padding."""
+    j, tables = np.arange(T), block_tables.reshape(-1, width)
     for b in range(len(length)):
-        L, left, ids = int(length[b]), int(remaining[b]), history[b * n_ctx:(b + 1) * n_ctx]
-        room = min(T - 1, left - 1) if left > 0 else 0
-        best = max(((m, e) for e in range(L - 1) for m in [next((i for i in range(n_max + 1) if i == n_max or i > e or
-                                                                  ids[e - i] != ids[L - 1 - i]))] if m >= n_min),
-                   default=None) if room > 0 else None
-        nd, rows = (room if best else 0), slice(b * T, (b + 1) * T)
-        draft = [ids[best[1] + 1 + i % (L - 1 - best[1])] for i in range(nd)] if best else []
-        j = np.arange(T)
+        L, left, rows = int(length[b]), int(remaining[b]), slice(b * T, (b + 1) * T)
+        ids = history[b * n_ctx:(b + 1) * n_ctx]
+        room = max(0, min(T - 1, left - 1))
+        # (m, e): the m tokens ending at an earlier e match the last m (n_max at most); the longest, then the latest
+        m, e = max(((next(i for i in range(n_max + 1) if i == n_max or i > e or ids[e - i] != ids[L - 1 - i]), e)
+                    for e in range(L - 1 if room else 0)), default=(0, 0))
+        nd = room if m >= n_min else 0
+        draft = [ids[e + 1 + i % (L - 1 - e)] for i in range(nd)]
+        n = L if left > 0 else 1  # what the row's first query attends to (a finished row: one token of padding)
         pos = np.where(left > 0, L - 1 + np.minimum(j, nd), 0)
         input_ids[rows] = ([ids[L - 1]] + draft + [0] * (T - 1 - nd)) if left > 0 else 0
-        positions[rows] = pos
-        tables = block_tables.reshape(-1, width)
+        positions[rows], token_index[rows], row_len[rows] = pos, token_base[b] + j, n + j
         slot_mapping[rows] = np.where((left > 0) & (j <= nd), tables[b, pos // block_size] * block_size +
                                       pos % block_size, -1)
-        token_index[rows] = token_base[b] + j
-        row_len[rows] = (L if left > 0 else 1) + j
-        ndraft[b], context_lens[b] = (nd if left > 0 else -1), (L if left > 0 else 1) + T - 1
+        ndraft[b], context_lens[b] = (nd if left > 0 else -1), n + T - 1
 
 
 def spec_accept(tokens, input_ids, ndraft, history, length, remaining, token_base, step, ring, B, T, n_ctx):
