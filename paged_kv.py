@@ -16,6 +16,7 @@ A freed block keeps its name and stays findable until a fresh block is needed, l
 import copy
 import hashlib
 from collections import OrderedDict
+from itertools import takewhile
 
 import numpy as np
 
@@ -115,8 +116,7 @@ class PagedKVCache:
                                    f"one full context ({c.n_ctx}): raise gpu_memory_utilization, free GPU memory "
                                    "(other processes hold some), or pass num_kv_tokens")
             num_kv_tokens = int(budget // per_token)
-        blocks = min(-(-num_kv_tokens // block_size), max_num_seqs * -(-c.n_ctx // block_size))
-        return blocks
+        return min(-(-num_kv_tokens // block_size), max_num_seqs * -(-c.n_ctx // block_size))
 
     def blocks_needed(self, num_tokens):
         return -(-num_tokens // self.block_size)
@@ -157,18 +157,16 @@ class PagedKVCache:
         last token (which it must compute, to sample from its logits): how many tokens they hold."""
         if not self.enable_prefix_caching or seq_id in self.block_tables:
             return 0
-        table, named, bs = [], [], self.block_size
-        for h in block_hashes(token_ids[:(len(token_ids) - 1) // bs * bs], bs):  # to the first miss
-            if h not in self.allocator.cached:
-                break
-            table.append(self.allocator.cached[h])
-            self.allocator.take(table[-1])
-            named.append(h)
+        bs, cached = self.block_size, self.allocator.cached
+        named = list(takewhile(cached.__contains__, block_hashes(token_ids[:(len(token_ids) - 1) // bs * bs], bs)))
+        table = [cached[h] for h in named]  # its first blocks found, to the first miss
+        for block in table:
+            self.allocator.take(block)
         self.queries += len(token_ids)
-        self.hits += len(table) * self.block_size
+        self.hits += len(table) * bs
         if table:
             self.block_tables[seq_id], self.named[seq_id] = table, named
-        return len(table) * self.block_size
+        return len(table) * bs
 
     def name_computed(self, seq_id, token_ids, num_computed):
         """Name seq_id's full blocks whose KV is computed (the first num_computed tokens): findable from now on."""
