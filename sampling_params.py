@@ -114,8 +114,7 @@ class RequestOutput:  # as vLLM's, and `error`: why a request failed or was refu
 
 @dataclass
 class EngineConfig:
-    """The engine's settings, LLM's keyword arguments (vLLM's names where vLLM has the setting), each checked here: a
-    bad one raises ValueError naming it, before anything loads."""
+    """The engine's settings, LLM's keyword arguments (vLLM's names where it has them), checked before any loading."""
     device: str = "auto"  # "cuda" (the kernels), "cpu" (numpy), or "auto": the GPU if there is a usable one
     dtype: object = None  # float16 (the GPU's default) or float32 (the CPU's only)
     block_size: int = 16  # tokens a KV block holds
@@ -217,11 +216,10 @@ Penalties = namedtuple("Penalties", "rows ids output_counts banned repetition pr
 
 
 def penalties(rows):
-    """The logits a step changes before sampling, one entry per (row, token): each token a row has seen (with its
-    repetition penalty), how often it is in the output (presence, frequency), its logit bias, whether it is banned until
-    min_tokens. Rows are (sequence, j): the token j places after the sequence's next, from logits computed after j
-    tokens it computed ahead (a draft's, speculation.py), which count as its output, as plain decoding would have had
-    them. None when no row edits its logits."""
+    """The logits a step edits before sampling, an entry per (row, token): each token a row has seen (its repetition
+    penalty), times in the output (presence, frequency), logit bias, ban until min_tokens; None if no row edits. A row
+    (sequence, j) samples the token j places after the sequence's next, from logits after j tokens computed ahead (a
+    draft's, speculation.py), which count as its output, as plain decoding would have had them."""
     if not any(s.edits_logits for s, _ in rows):
         return None
     entries = []  # (row, token, times in the output, banned, repetition penalty, bias)
