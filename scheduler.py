@@ -201,8 +201,7 @@ class Scheduler:
     def __init__(self, kv, max_num_seqs, max_num_batched_tokens):
         self.kv, self.max_num_seqs, self.max_num_batched_tokens = kv, max_num_seqs, max_num_batched_tokens
         self.admission_group = 1  # seats to free before a request comes in (the graph runner raises it: step 3 above)
-        self.waiting = deque()
-        self.running = []  # in admission order: the last one is the newest
+        self.waiting, self.running = deque(), []  # running: in admission order, the last one the newest
         self.num_preemptions = 0
 
     def add(self, seq):
