@@ -104,19 +104,17 @@ class PagedKVCache:
     @staticmethod
     def pool_blocks(config, backend, num_kv_tokens, fraction, max_num_seqs, block_size, draft_config=None):
         """num_kv_tokens, or what fits (the backend's budget: on a GPU, its memory fraction the weights leave; a draft
-        model's K/V share each slot), but never more than the engine can use: max_num_seqs full contexts are the most
-        alive at once."""
-        c = config
+        model's K/V share each slot), but no more than the engine can use: max_num_seqs full contexts at once."""
         per_token = sum(PagedKVCache.bytes_per_token(m.n_layer, m.n_head, m.head_dim, backend.dtype.itemsize)
-                        for m in (c, draft_config) if m is not None)
+                        for m in (config, draft_config) if m is not None)
         if num_kv_tokens is None:
             budget = backend.kv_cache_budget(fraction)
-            if budget < per_token * c.n_ctx:
+            if budget < per_token * config.n_ctx:
                 raise RuntimeError(f"the KV cache would hold only {int(max(budget, 0) // per_token)} tokens, less than "
-                                   f"one full context ({c.n_ctx}): raise gpu_memory_utilization, free GPU memory "
+                                   f"one full context ({config.n_ctx}): raise gpu_memory_utilization, free GPU memory "
                                    "(other processes hold some), or pass num_kv_tokens")
             num_kv_tokens = int(budget // per_token)
-        return min(-(-num_kv_tokens // block_size), max_num_seqs * -(-c.n_ctx // block_size))
+        return min(-(-num_kv_tokens // block_size), max_num_seqs * -(-config.n_ctx // block_size))
 
     def blocks_needed(self, num_tokens):
         return -(-num_tokens // self.block_size)
