@@ -351,6 +351,12 @@ def bench_gpu(path, repeats):
     lessons["tensor parallelism (tensor_parallel_size, one process a GPU, NCCL in the graphs)"] = \
         tensor_parallel_lesson(("random:gpt2-xl", "random:gpt2"), [("single stream", one, 128), workloads[1]],
                                repeats, device="cuda", num_kv_tokens=65_536)
+    stage("a model that predicts text (text_model.py: trained here unless cached), for what the weights decide")
+    import text_model
+    paths = text_model.make_models(log=lambda line: print(line, flush=True))
+    for line in text_model.speculation_lessons(paths, repeats):
+        lessons[f"on the trained model, speculative decoding: {line.split(':')[0]}"] = line.split(": ", 1)[1]
+    lessons["on the trained model, what the weights decide"] = text_model.quality_lessons(paths)
     return rows, lessons
 
 
