@@ -173,11 +173,6 @@ class DraftModel:
         self.kv = kv.with_tensors(self.model.backend, c.n_layer, c.n_head, c.head_dim)
         self.runner = ModelRunner(self.model, self.kv, engine)
 
-    def step(self, views):
-        """{view: its next tokens}: one step, or a graph run's, as many as each view may still make."""
-        batch = make_batch([(v, len(v.token_ids) - v.num_computed) for v in views], self.kv)
-        return {v: got.token_ids for v, got in self.runner.run(batch).items()}
-
 
 class DraftModelProposer(Proposer):
     """Drafts by a smaller model (DraftModel). Per sequence it remembers how many tokens have their draft K/V written
@@ -209,8 +204,9 @@ class DraftModelProposer(Proposer):
         made, start = {seq: 0 for seq in seqs}, {seq: self._seen(seq) for seq in seqs}
         while views := {view(seq, start[seq] if j == 0 else len(seq.token_ids) + j - 1, j): seq
                         for seq, j in made.items() if j < len(seq.draft)}:
-            for v, tokens in self.draft.step(list(views)).items():  # a graph run may make several at once
-                seq = views[v]
+            batch = make_batch([(v, v.num_uncomputed) for v in views], self.draft.kv)
+            for v, got in self.draft.runner.run(batch).items():  # a graph run may make several tokens at once
+                seq, tokens = views[v], got.token_ids
                 n = min(len(tokens), len(seq.draft) - made[seq])
                 seq.draft[made[seq]:made[seq] + n] = tokens[:n]
                 made[seq] += n
