@@ -12,10 +12,9 @@ A layer's two matmul pairs split so that each pair needs one all-reduce:
   holds its heads only (the block tables, one allocator's, are the same on every rank);
 - the lm_head splits over the vocabulary; its logits are gathered where the sampler runs.
 
-Two ways to run the ranks (vLLM's distributed_executor_backend): "uni", threads of one process (the numpy twin: the
-collectives as barriers), so the CPU tests prove the partitioning exact; and "mp", a process a rank (one a GPU), each
-running the whole engine over its shard, rank 0 relaying every call that changes it. On GPUs NCCL carries the
-collectives on the step's stream, inside the CUDA graphs; on the CPU they go through rank 0 over pipes.
+Two ways to run the ranks (vLLM's distributed_executor_backend): "uni", threads of one process (the numpy twin, so
+the CPU tests prove the split exact), and "mp", a process a rank (one a GPU), each running the whole engine over its
+shard. On GPUs NCCL carries the collectives on the step's stream, inside the CUDA graphs; on the CPU, barriers or pipes.
 """
 import multiprocessing
 import multiprocessing.connection
@@ -24,117 +23,57 @@ import signal
 import threading
 import time
 import weakref
-from functools import reduce
+from functools import partial, reduce
 
 import numpy as np
 
 from checkpoint import Int8Weight
 
 
-def part(n, rank, size):
-    """Rank's indices of n things in size equal parts (the vocabulary need not divide: the last part is the shorter)."""
-    step = -(-n // size)
-    return np.arange(rank * step, min((rank + 1) * step, n))
-
-
-def take(w, index, axis=0):
-    """w's entries at index along axis (an Int8Weight's scale follows its rows)."""
-    if isinstance(w, Int8Weight):
-        return Int8Weight(np.take(w.q, index, axis), w.scale if axis == 1 else w.scale[index])
-    return np.take(w, index, axis)
-
-
 def shard(weights, config, n_vocab, rank, size):
-    """Rank's weights: QKV (each of q, k, v by heads) and the MLP's up-projection by output rows of w, their biases
-    likewise; the attention projection and the down-projection by input columns of w (their biases whole: rank 0
-    adds them); the lm_head by vocabulary rows; layernorms and embeddings whole."""
+    """Rank's weights, split as above (w is (out, in): an output column is a row of w; c_proj's biases whole: rank 0
+    adds them); layernorms and embeddings whole."""
+    def part(n):  # rank's indices of n things in size equal parts (the vocabulary need not divide: the last is shorter)
+        step = -(-n // size)
+        return np.arange(rank * step, min((rank + 1) * step, n))
+
+    def take(w, index, axis=0):  # w's entries at index along axis (an Int8Weight's scale follows its rows)
+        if isinstance(w, Int8Weight):
+            return Int8Weight(np.take(w.q, index, axis), w.scale if axis == 1 else w.scale[index])
+        return np.take(w, index, axis)
+
     C = config.n_embd
-    heads = part(C, rank, size)  # this rank's columns of q (of k, of v): whole heads, as size divides n_head
+    heads = part(C)  # this rank's columns of q (of k, of v): whole heads, as size divides n_head
     out = {}
     for name, w in weights.items():
         if ".attn.c_attn." in name:
             out[name] = take(w, np.concatenate([j * C + heads for j in range(3)]))
         elif ".mlp.c_fc." in name:
-            out[name] = take(w, part(config.n_inner, rank, size))
+            out[name] = take(w, part(config.n_inner))
         elif name.endswith(("attn.c_proj.weight", "mlp.c_proj.weight")):
-            out[name] = take(w, part(C if "attn" in name else config.n_inner, rank, size), axis=1)
+            out[name] = take(w, part(C if "attn" in name else config.n_inner), axis=1)
         elif name != "lm_head.weight":
             out[name] = w
     head = weights.get("lm_head.weight", weights["wte.weight"])
     head = head if isinstance(head, Int8Weight) else head[:n_vocab]
-    out["lm_head.weight"] = take(head, part(n_vocab, rank, size))
+    out["lm_head.weight"] = take(head, part(n_vocab))
     return out
 
 
-class Single:
-    """One rank: the collectives do nothing (the model's forward as it reads with no parallelism)."""
-    rank, size = 0, 1
+class Comm:
+    """NCCL's two collectives over `exchange(x, combine)`, every rank's x combined (barriers or pipes): the all-reduce
+    sums in rank order (the same bits on every rank), the all-gather concatenates (the lm_head's n vocabulary ids)."""
+    def __init__(self, rank=0, size=1, exchange=None):
+        self.rank, self.size, self.exchange = rank, size, exchange
 
     def all_reduce(self, x):
-        return x
+        return x if self.size == 1 else self.exchange(x, lambda xs: reduce(np.add, xs))
 
     def all_gather(self, x, n=None):
-        return x
+        return x if self.size == 1 else self.exchange(x, lambda xs: np.concatenate(xs, axis=-1))
 
 
-class Collectives:
-    """NCCL's two collectives over an exchange of each rank's array (`_exchange(x, combine)`, the transport's): the
-    all-reduce sums them in rank order (the same bits on every rank), the all-gather concatenates them."""
-    def all_reduce(self, x):
-        return self._exchange(x, lambda xs: reduce(np.add, xs))
-
-    def all_gather(self, x, n=None):  # along the last axis (the lm_head's vocabulary, n entries in all)
-        return self._exchange(x, lambda xs: np.concatenate(xs, axis=-1))
-
-
-class ThreadComm(Collectives):
-    """Rank `rank` of `size` threads of this process, the exchange through barriers: each rank leaves its array, all
-    wait, each combines them, all wait again."""
-    def __init__(self, group, rank):
-        self.group, self.rank, self.size = group, rank, len(group["slots"])
-
-    def _exchange(self, x, combine):
-        slots, barrier = self.group["slots"], self.group["barrier"]
-        slots[self.rank] = x
-        barrier.wait()
-        out = combine(slots)
-        barrier.wait()  # everyone has read the slots before the next collective writes them
-        return out
-
-
-class SimulatedRanks:
-    """"uni": the ranks' models (make_model(shard, comm): a GPT each) as one. forward(batch, kv) runs each in a
-    thread, rank 0's heads' K/V in the engine's cache and the others' in tensors of their own in its blocks, and gives
-    rank 0's logits. A rank that raises breaks the barriers, so no rank waits for it; its error is raised here."""
-    def __init__(self, make_model, weights, config, n_vocab, size):
-        self.group = dict(slots=[None] * size, barrier=threading.Barrier(size))
-        self.ranks = [make_model(shard(weights, config, n_vocab, r, size), comm=ThreadComm(self.group, r))
-                      for r in range(size)]
-        self.config, self.backend, self.rank_kv = config, self.ranks[0].backend, None
-
-    def forward(self, batch, kv):
-        c, results, errors = self.config, [None] * len(self.ranks), []
-        if self.rank_kv is None:
-            self.rank_kv = [kv] + [kv.with_tensors(self.backend, c.n_layer, c.n_head // len(self.ranks), c.head_dim)
-                                   for _ in self.ranks[1:]]
-
-        def run(r):
-            try:
-                results[r] = self.ranks[r].forward(batch, self.rank_kv[r])
-            except BaseException as e:  # noqa: B902 (a rank's Ctrl-C too: the step must not wait for it)
-                errors.append(e)
-                self.group["barrier"].abort()
-        threads = [threading.Thread(target=run, args=(r,), name=f"rank {r}") for r in range(1, len(self.ranks))]
-        for t in threads:
-            t.start()
-        run(0)
-        for t in threads:
-            t.join()
-        if errors:
-            self.group["barrier"].reset()  # for the next step
-            first = next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0])
-            raise first
-        return results[0]
+Single = Comm  # Single(): one rank, the model's forward as it reads with no parallelism
 
 
 # -----------------------------------------------------------------------------
@@ -144,9 +83,8 @@ THIS_PROCESS = None  # in a spawned rank: (rank, size, pipe to rank 0, NCCL id),
 
 
 def start(llm_class, llm_args, engine, config, backend):
-    """This process's place among engine.tensor_parallel_size ranks: Rank (the only one), Threads ("uni"), the Leader
-    (rank 0 of "mp": it spawns the others, llm_class(**llm_args) each) or a Worker (one spawned). ValueError for what
-    cannot run. distributed_executor_backend None: "mp" on GPUs, "uni" elsewhere."""
+    """This process's place among the ranks: Rank (the only one), Threads ("uni"), the Leader (rank 0 of "mp": it spawns
+    the others, llm_class(**llm_args) each) or a Worker (one spawned). ValueError for what cannot run."""
     size, executor = engine.tensor_parallel_size, engine.distributed_executor_backend
     executor = executor or ("mp" if backend.name == "cuda" else "uni")
     if size > 1 and config.n_head % size:
@@ -165,8 +103,8 @@ def start(llm_class, llm_args, engine, config, backend):
 
 class Rank:
     """One rank of `size` (the only one, by default): a GPT over its shard of the weights, a KV pool no larger than
-    any rank's, its runner the engine's (RankRunner, with others), and nothing to relay."""
-    rank, size, comm = 0, 1, Single()
+    any rank's, and, where ranks run in other processes (comm.size > 1), its runner a RankRunner."""
+    rank, size, comm, failed = 0, 1, Single(), None
 
     def model(self, gpt, config, weights, backend, n_vocab):
         if self.size > 1:
@@ -175,40 +113,65 @@ class Rank:
 
     def fewest(self, n, backend):
         """The least of every rank's n (each sizes its KV pool from its own GPU's free memory)."""
-        if self.size == 1:
-            return n
         mine = backend.asarray(np.full((1, 1), n, np.float32), np.float32)  # (1, 1); fp16 would overflow
         fewest = int(backend.tohost(self.comm.all_gather(mine, self.size)).min())
         self.raise_if_failed()  # a rank lost while the engines are made: the LLM is not made
         return fewest
 
     def runner(self, runner):
-        return runner if self.size == 1 else RankRunner(runner, self)
+        return runner if self.comm.size == 1 else RankRunner(runner, self)
 
     def relay(self, call, *args):
         pass
 
-    def raise_if_failed(self):
-        pass
-
-    def fail(self, error):
-        pass
+    def raise_if_failed(self):  # (Leader's: a rank lost is an error; the step's, when one runs, is over)
+        self.busy_since = None
+        if self.failed:
+            raise RuntimeError(self.failed)
 
 
 class Threads(Rank):
-    """"uni": every rank in this process, their models one (SimulatedRanks): the engine sees one rank."""
+    """"uni": every rank a thread of this process, their GPTs one model (this object), so the engine sees one rank:
+    rank 0's K/V in the engine's cache, the others' in tensors of their own in its blocks, rank 0's logits out."""
     def __init__(self, size):
-        self.size = size
+        self.size, self.slots, self.barrier = size, [None] * size, threading.Barrier(size)
 
     def model(self, gpt, config, weights, backend, n_vocab):
-        return SimulatedRanks(lambda w, comm: gpt(config, w, backend, n_vocab, comm), weights, config, n_vocab,
-                              self.size)
+        self.gpts = [gpt(config, shard(weights, config, n_vocab, r, self.size), backend, n_vocab,
+                         Comm(r, self.size, partial(self.exchange, r))) for r in range(self.size)]
+        self.config, self.backend, self.rank_kv = config, backend, None
+        return self
 
-    def fewest(self, n, backend):
-        return n
+    def exchange(self, rank, x, combine):
+        """Each rank leaves its array, all wait, each combines them, all wait again (before the next one writes)."""
+        self.slots[rank] = x
+        self.barrier.wait()
+        out = combine(self.slots)
+        self.barrier.wait()
+        return out
 
-    def runner(self, runner):
-        return runner
+    def forward(self, batch, kv):
+        c, results, errors = self.config, [None] * self.size, []
+        if self.rank_kv is None:
+            self.rank_kv = [kv] + [kv.with_tensors(self.backend, c.n_layer, c.n_head // self.size, c.head_dim)
+                                   for _ in self.gpts[1:]]
+
+        def run(r):
+            try:
+                results[r] = self.gpts[r].forward(batch, self.rank_kv[r])
+            except BaseException as e:  # noqa: B902 (a Ctrl-C too): it breaks the barriers, so no rank waits for it
+                errors.append(e)
+                self.barrier.abort()
+        threads = [threading.Thread(target=run, args=(r,), name=f"rank {r}") for r in range(1, self.size)]
+        for t in threads:
+            t.start()
+        run(0)
+        for t in threads:
+            t.join()
+        if errors:
+            self.barrier.reset()  # for the next step
+            raise next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0])
+        return results[0]
 
 
 class RankRunner:
@@ -217,6 +180,9 @@ class RankRunner:
     (NCCL cannot undo half a step, and a rank cannot tell whether the others wait for it)."""
     def __init__(self, runner, ranks):
         self.runner, self.ranks = runner, ranks
+
+    def __getattr__(self, name):  # the rest (running_ahead, wait) is the runner's
+        return getattr(self.runner, name)
 
     def run(self, batch):
         self.ranks.relay("step")
@@ -228,21 +194,14 @@ class RankRunner:
         self.runner.step_failed(error)
         self.ranks.fail(error)
 
-    def running_ahead(self):
-        return self.runner.running_ahead()
-
-    def wait(self):
-        self.runner.wait()
-
 
 class Leader(Rank):
-    """Rank 0 of "mp". Every rank runs the whole engine (as SGLang's schedulers do): rank 0 relays each call that
-    changes it (a request added, with its seed resolved; an abort; a step; a prefix-cache reset), and the same calls,
-    a deterministic engine and logits gathered to every rank make the same batches, graphs, samples and blocks
-    everywhere, with nothing mirrored. A worker that raises sends its error and exits; one that dies, or gives no
-    answer for `timeout` seconds, ends the engine too: this and every later step raise an error naming the rank."""
+    """Rank 0 of "mp". Every rank runs the whole engine (as SGLang's schedulers do), nothing mirrored: rank 0 relays
+    each call that changes it (a request added, its seed resolved; an abort; a step; a prefix-cache reset), and the
+    same calls to a deterministic engine, logits gathered to every rank, make the same batches, graphs, samples and
+    blocks. A worker that fails, dies or gives no answer in `timeout` s ends the engine: every later step raises."""
     def __init__(self, llm_class, llm_args, size, backend, timeout=300.0):
-        self.size, self.timeout, self.failed, self.busy_since = size, timeout, None, None
+        self.size, self.timeout, self.busy_since, self.nccl = size, timeout, None, None
         comm_id = backend.new_comm_id() if backend.name == "cuda" else None
         ctx = multiprocessing.get_context("spawn")  # no fork of a process holding threads or a CUDA context
         self.conns, self.procs = [], []
@@ -256,60 +215,64 @@ class Leader(Rank):
         weakref.finalize(self, stop_workers, self.conns, self.procs)  # when the engine goes, its workers go
         for r in range(1, size):
             self.receive(r, "ready")  # its backend is up: the communicator can be set up
-        self.comm = StarComm(self) if backend.name == "cpu" else backend.communicator(comm_id, 0, size)
         if backend.name == "cuda":  # a GPU waiting in a collective for a lost rank blocks this thread: another watches
+            self.nccl = backend.communicator(comm_id, 0, size)
             threading.Thread(target=watch, args=(weakref.ref(self),), name="nanoinfer rank watch", daemon=True).start()
+
+    @property
+    def comm(self):  # (the CPU's made anew: held here, it would hold the Leader, its workers alive until a GC)
+        return self.nccl or Comm(0, self.size, self.exchange)
 
     def relay(self, call, *args):
         """Each other rank makes the call next. A rank lost is the next step's error (its requests end with it)."""
-        for r in range(1, self.size):
-            if not self.failed:
-                self.send(r, (call, args))
+        self.send((call, args))
         self.busy_since = time.monotonic() if call == "step" else None
         if self.failed and call == "step":
             raise RuntimeError(self.failed)
 
-    def raise_if_failed(self):
-        self.busy_since = None
-        if self.failed:
-            raise RuntimeError(self.failed)
-
     def fail(self, error):
-        self.stop(f"tensor-parallel rank 0's step failed ({type(error).__name__}: {error}), so the ranks no longer "
-                  "agree: the engine cannot go on; make a new LLM")
+        self.stop(f"tensor-parallel rank 0's step failed ({type(error).__name__}: {error}), so the ranks disagree")
 
-    def send(self, r, message):
-        try:
-            self.conns[r - 1].send(message)
-        except OSError:  # a broken pipe: its process is gone
-            self.stop(self.lost(r, "died"))
+    def exchange(self, x, combine):  # (the CPU's collectives) every rank's share in rank order, combined, sent back
+        out = combine([x] + [self.receive(r, "share") for r in range(1, self.size)])
+        self.send(("result", out))
+        return out
+
+    def send(self, message):  # to each worker, while none is lost
+        for r, conn in enumerate(self.conns, 1):
+            if self.failed:
+                return
+            try:
+                conn.send(message)
+            except OSError:  # a broken pipe: its process is gone
+                self.lose(r)
 
     def receive(self, r, want):  # worker r's next message: `want` ("ready"; "share": its part of a collective)
-        conn, proc = self.conns[r - 1], self.procs[r - 1]
-        ready = multiprocessing.connection.wait([conn, proc.sentinel], self.timeout)
-        if conn not in ready:  # its process ended, or it stays silent
-            self.stop(self.lost(r, "died" if proc.sentinel in ready else f"gave no answer in {self.timeout:g} s"))
+        conn = self.conns[r - 1]
+        if not conn.poll(self.timeout):  # (a process that ends closes its end: the pipe reads as ended, at once)
+            self.lose(r, f"gave no answer in {self.timeout:g} s")
         else:
-            kind, value = next_message(conn)
+            kind, value = next_message(conn)  # ("error", None): it died
             if kind == "error":
-                self.stop(self.lost(r, f"failed ({value})" if value else "died"))
+                self.lose(r, value and f"failed ({value})")
         if self.failed:
             raise RuntimeError(self.failed)
         assert kind == want, (kind, want)
         return value
 
-    def lost(self, r, what):  # why the engine ends: worker r died, hangs or failed
+    def lose(self, r, why=None):
+        """Worker r failed or hangs (why says which; None: it died): the engine ends, with an error naming it."""
         proc = self.procs[r - 1]
         proc.join(0.1)
-        code = f" (exit code {proc.exitcode})" if what == "died" and proc.exitcode is not None else ""
-        return f"tensor-parallel rank {r} {what}{code}: the engine cannot go on; make a new LLM"
+        why = why or "died" + (f" (exit code {proc.exitcode})" if proc.exitcode is not None else "")
+        self.stop(f"tensor-parallel rank {r} {why}")
 
     def stop(self, why):
         if not self.failed:
-            self.failed = why
+            self.failed = f"{why}: the engine cannot go on; make a new LLM"
             stop_workers(self.conns, self.procs)
-            if hasattr(self.comm, "abort"):  # NCCL's: kernels waiting for a lost rank return
-                self.comm.abort()
+            if self.nccl:
+                self.nccl.abort()  # kernels waiting for a lost rank return
 
 
 def watch(leader_ref):
@@ -324,10 +287,9 @@ def watch(leader_ref):
         if dead:
             r = 1 + sentinels.index(dead[0])
             kind, why = next_message(leader.conns[r - 1])  # its last words, if it sent any
-            leader.stop(leader.lost(r, f"failed ({why})" if kind == "error" and why else "died"))
+            leader.lose(r, f"failed ({why})" if kind == "error" and why else None)
         elif leader.busy_since and time.monotonic() - leader.busy_since > leader.timeout:
-            leader.stop(f"a step gave no answer in {leader.timeout:g} s (a tensor-parallel rank hangs): the engine "
-                        "cannot go on; make a new LLM")
+            leader.stop(f"a step gave no answer in {leader.timeout:g} s (a tensor-parallel rank hangs)")
 
 
 def next_message(conn):
@@ -340,9 +302,8 @@ def next_message(conn):
 
 def stop_workers(conns, procs):
     for conn, proc in zip(conns, procs):
-        if proc.is_alive():
-            proc.kill()
-            proc.join(5)
+        proc.kill()  # (nothing, if it has ended)
+        proc.join(5)
         conn.close()
 
 
@@ -352,18 +313,15 @@ class Worker(Rank):
     def __init__(self, backend, rank, size, conn, comm_id):
         self.rank, self.size, self.conn = rank, size, conn
         conn.send(("ready", None))
-        self.comm = PipeComm(conn, rank, size) if backend.name == "cpu" else backend.communicator(comm_id, rank, size)
+        cpu = backend.name == "cpu"
+        self.comm = Comm(rank, size, self.exchange) if cpu else backend.communicator(comm_id, rank, size)
 
-    def fail(self, error):
-        exit_with(self.conn, error)
+    def exchange(self, x, combine):  # (the CPU's collectives) its share to rank 0, which sends back the result
+        self.conn.send(("share", x))
+        return self.conn.recv()[1]
 
-
-def exit_with(conn, error):
-    """A worker's end: its error sent to rank 0, then the process gone (at once: its engine is out of step)."""
-    try:
-        conn.send(("error", f"{type(error).__name__}: {error}"))
-    finally:
-        os._exit(1)
+    def fail(self, error):  # its step's error goes on, out of the engine, to run_worker: this process ends
+        raise error
 
 
 def run_worker(llm_class, llm_args, place):
@@ -382,32 +340,8 @@ def run_worker(llm_class, llm_args, place):
         while True:
             call, args = conn.recv()
             getattr(llm, call)(*args)
-    except EOFError:  # rank 0 is gone
-        return
-    except BaseException as e:  # noqa: B902 (its engine could not be made, or a call raised)
-        exit_with(conn, e)
-
-
-class PipeComm(Collectives):
-    """A worker's collectives on the CPU: its share to rank 0 (StarComm), which sends back the combined result."""
-    def __init__(self, conn, rank, size):
-        self.conn, self.rank, self.size = conn, rank, size
-
-    def _exchange(self, x, combine):  # (rank 0 combines)
-        self.conn.send(("share", x))
-        return self.conn.recv()[1]
-
-
-class StarComm(Collectives):
-    """Rank 0's collectives among processes on the CPU: the workers' shares in rank order, combined, sent back."""
-    rank = 0
-
-    def __init__(self, ranks):
-        self.ranks, self.size = ranks, ranks.size
-
-    def _exchange(self, x, combine):
-        shares = [x] + [self.ranks.receive(r, "share") for r in range(1, self.size)]
-        out = combine(shares)
-        for r in range(1, self.size):
-            self.ranks.send(r, ("result", out))
-        return out
+    except BaseException as e:  # noqa: B902 (its engine could not be made, a call raised, or rank 0 is gone)
+        try:
+            conn.send(("error", f"{type(e).__name__}: {e}"))
+        finally:
+            os._exit(1)  # at once: its engine is out of step
