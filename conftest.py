@@ -366,6 +366,37 @@ def rounded(a, dtype):
     return np.asarray(a).astype(dtype).astype(np.float64)
 
 
+KTOL = {np.float16: 1e-2, np.float32: 1e-4}  # a kernel's relative error allowed against its float64 reference
+
+
+def to_gpu(a, dtype):
+    import cupy as cp
+    return None if a is None else cp.asarray(np.asarray(a, dtype=dtype))
+
+
+def poison_outputs(be):
+    """Every array be.empty makes starts as NaN (integers: -7), so an element a kernel forgets to write fails."""
+    plain_empty = be.empty
+
+    def poisoned_empty(shape, dtype=None):
+        a = plain_empty(shape, dtype)
+        a.fill(np.nan if a.dtype.kind == "f" else -7)
+        return a
+    be.empty = poisoned_empty
+    return be
+
+
+def check_kernel(ours, want, dtype, what="", seed=None):
+    """A kernel's output (on the GPU) against its float64 reference: the same shape, no NaN, and error =
+    max|ours - want| / max|want| under KTOL; seed: the calling file's, for the failure message."""
+    import cupy as cp
+    ours = cp.asnumpy(ours).astype(np.float64)
+    assert ours.shape == want.shape, (what, ours.shape, want.shape)
+    assert not np.isnan(ours).any(), f"{what}: NaN in the output (unwritten element?) seed={seed}"
+    err = np.abs(ours - want).max() / max(np.abs(want).max(), 1e-30)
+    assert err < KTOL[np.dtype(dtype).type], f"{what}: relative error {err:.3g} seed={seed}"
+
+
 def heads(qkv, j, H):
     """q, k or v (j = 0, 1, 2) of a (T, 3C) qkv array as a (T, H, D) strided view, as the engine slices them."""
     C = qkv.shape[1] // 3

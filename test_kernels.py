@@ -9,6 +9,7 @@ The plans (plan_matmul) are plain Python and run without a GPU; everything else 
 The engine tests on CUDA hold its speed tricks (CUDA graphs, dependent launches, multi-step decoding, admission by
 groups, fused epilogues) to the tokens of the plain way. The sampler's kernel has test_sampler.py.
 """
+import functools
 import itertools
 import math
 
@@ -19,7 +20,8 @@ import cuda_backend
 import graph_runner
 import nanoinfer as ni
 from checkpoint import Int8Weight, quantize_int8
-from conftest import HERE, NO_GPU, _run_py, attention_case, greedy, heads, penalty_case, random_ids, rounded
+from conftest import (HERE, NO_GPU, _run_py, attention_case, check_kernel, greedy, heads, penalty_case, poison_outputs,
+                      random_ids, rounded, to_gpu)
 from cuda_backend import CudaBackend
 from nanoinfer import LLM, NumpyBackend, SamplingParams
 
@@ -29,37 +31,18 @@ except ImportError:
     cp = None
 
 
-KTOL = {np.float16: 1e-2, np.float32: 1e-4}
 DTYPES = [np.float16, np.float32]
 SEED = int(np.random.SeedSequence().entropy % 2**32)
 rng = np.random.default_rng(SEED)
 ref = NumpyBackend(np.float64)  # the definition of every op, in float64
 
 
+check = functools.partial(check_kernel, seed=SEED)
+
+
 @pytest.fixture(scope="module", params=DTYPES, ids=["fp16", "fp32"])
 def be(request):
-    b = CudaBackend(request.param)
-    plain_empty = b.empty
-
-    def poisoned_empty(shape, dtype=None):
-        a = plain_empty(shape, dtype)
-        a.fill(np.nan if a.dtype.kind == "f" else -7)
-        return a
-
-    b.empty = poisoned_empty
-    return b
-
-
-def check(ours, want, dtype, what=""):
-    ours = cp.asnumpy(ours).astype(np.float64)
-    assert ours.shape == want.shape, (what, ours.shape, want.shape)
-    assert not np.isnan(ours).any(), f"{what}: NaN in the output (unwritten element?) seed={SEED}"
-    err = np.abs(ours - want).max() / max(np.abs(want).max(), 1e-30)
-    assert err < KTOL[np.dtype(dtype).type], f"{what}: relative error {err:.3g} seed={SEED}"
-
-
-def to_gpu(a, dtype):
-    return None if a is None else cp.asarray(np.asarray(a, dtype=dtype))
+    return poison_outputs(CudaBackend(request.param))
 
 
 # ---- the launch plans: plain Python, no GPU -------------------------------------------------------
@@ -159,8 +142,8 @@ def test_matmul(be, M, N, K, epi):
                                      (50257, 768, "ln")])
 def test_int8_matmul(be, M, N, K, epi):
     """W8A16 (quantization='int8'): int8 rows with a float32 scale each, against the numpy twin (x @ q.T, then the
-    scale) in float64: the gemv and the skinny kernel read int8 as it is, matmul_tc and matmul_blocked get it dequantized,
-    every one scales in its epilogue; the layernorm in front and the epilogue as in test_matmul."""
+    scale) in float64: the gemv and the skinny kernel read int8 as it is, matmul_tc and matmul_blocked get it
+    dequantized, every one scales in its epilogue; the layernorm in front and the epilogue as in test_matmul."""
     dt = be.dtype.type
     x, bias, res, gelu, ln, ln_gpu = matmul_inputs(M, N, K, epi, dt)
     q8 = quantize_int8(rng.standard_normal((N, K)).astype(np.float32) / math.sqrt(K))

@@ -4,13 +4,14 @@ numpy definition at the shapes the engine uses, fp16 and fp32, held as test_kern
 1e-2 in fp16, 1e-4 in fp32); then the engine on the first rungs (kernels="simple") against transformers, as
 test_nanoinfer.py holds the default one. Needs CuPy and a Hopper GPU, except the setting's own checks.
 """
+import functools
 import math
 
 import numpy as np
 import pytest
 
-from conftest import (NO_GPU, TOL, Driver, attention_case, greedy, heads, hf_logits, random_ids, rel_err,
-                      rounded)
+from conftest import (NO_GPU, TOL, Driver, attention_case, check_kernel, greedy, heads, hf_logits, poison_outputs,
+                      random_ids, rel_err, rounded, to_gpu)
 from nanoinfer import LLM, NumpyBackend
 
 try:
@@ -18,10 +19,10 @@ try:
 except ImportError:
     cp = None
 
-KTOL = {np.float16: 1e-2, np.float32: 1e-4}
 SEED = int(np.random.SeedSequence().entropy % 2**32)
 rng = np.random.default_rng(SEED)
 ref = NumpyBackend(np.float64)
+check = functools.partial(check_kernel, seed=SEED)
 
 
 @pytest.fixture(scope="module", params=[np.float16, np.float32], ids=["fp16", "fp32"])
@@ -29,30 +30,8 @@ def ladder(request):
     from ladder import Ladder
     lad = Ladder(request.param)
     for be in (lad.fast, lad.simple):  # every output starts as NaN: an element a rung forgets fails
-        poison(be)
+        poison_outputs(be)
     return lad
-
-
-def poison(be):
-    plain = be.empty
-
-    def empty(shape, dtype=None):
-        a = plain(shape, dtype)
-        a.fill(np.nan if a.dtype.kind == "f" else -7)
-        return a
-    be.empty = empty
-
-
-def check(ours, want, dtype, what):
-    ours = cp.asnumpy(ours).astype(np.float64)
-    assert ours.shape == want.shape, (what, ours.shape, want.shape)
-    assert not np.isnan(ours).any(), f"{what}: NaN in the output (unwritten element?) seed={SEED}"
-    err = np.abs(ours - want).max() / max(np.abs(want).max(), 1e-30)
-    assert err < KTOL[np.dtype(dtype).type], f"{what}: relative error {err:.3g} seed={SEED}"
-
-
-def gpu(a, dtype):
-    return cp.asarray(np.asarray(a, dtype=dtype))
 
 
 @NO_GPU
@@ -65,9 +44,9 @@ def test_matmul_rungs(ladder, M, N, K):
     x, w = rounded(rng.standard_normal((M, K)), dt), rounded(rng.standard_normal((N, K)) / math.sqrt(K), dt)
     want = x @ w.T
     for name, _, rung in ladder.matmul():
-        check(rung(gpu(x, dt), gpu(w, dt)), want, dt, f"matmul {name} {M}x{N}x{K}")
+        check(rung(to_gpu(x, dt), to_gpu(w, dt)), want, dt, f"matmul {name} {M}x{N}x{K}")
     if M == 1:
-        check(ladder.wgmma_for_one_row(gpu(x, dt), gpu(w, dt)), want, dt, "matmul_tc for one row")
+        check(ladder.wgmma_for_one_row(to_gpu(x, dt), to_gpu(w, dt)), want, dt, "matmul_tc for one row")
 
 
 @NO_GPU
@@ -79,7 +58,7 @@ def test_layernorm_rungs(ladder, T, C):
     w, b = rounded(rng.standard_normal(C), dt), rounded(rng.standard_normal(C), dt)
     want = ref.layernorm(x, w, b, 1e-5)
     for name, _, rung in ladder.layernorm():
-        check(rung(gpu(x, dt), gpu(w, dt), gpu(b, dt), 1e-5), want, dt, f"layernorm {name} T={T} C={C}")
+        check(rung(to_gpu(x, dt), to_gpu(w, dt), to_gpu(b, dt), 1e-5), want, dt, f"layernorm {name} T={T} C={C}")
 
 
 ATTENTION = {"decode": [(1, 1), (1, 16), (1, 17), (1, 300), (1, 1024)], "prefill": [(45, 45), (200, 200)],
@@ -96,7 +75,7 @@ def test_attention_rungs(ladder, case):
     want_kc, want_vc = kc.copy(), vc.copy()
     want = ref.attention(*(heads(qkv, j, H) for j in range(3)), want_kc, want_vc, batch, scale)
     for name, _, rung in ladder.attention(batch):
-        qkv_gpu, kc_gpu, vc_gpu = gpu(qkv, dt), gpu(kc, dt), gpu(vc, dt)
+        qkv_gpu, kc_gpu, vc_gpu = to_gpu(qkv, dt), to_gpu(kc, dt), to_gpu(vc, dt)
         out = rung(*(heads(qkv_gpu, j, H) for j in range(3)), kc_gpu, vc_gpu, scale)
         check(out, want, dt, f"attention {name} {case}")
         for ours, theirs in ((kc_gpu, want_kc), (vc_gpu, want_vc)):
