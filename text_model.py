@@ -23,24 +23,18 @@ BATCH, CONTEXT = 16, 1024  # sequences a step, tokens each
 EOT = 50256
 
 
-def corpus():
-    """(train, held out): the standard library's .py files as one token array each (a file, then <|endoftext|>), in
-    path order; every 10th file held out. The tokenizer is GPT-2's, from random:gpt2's directory (no network)."""
+def corpus(held_out):
+    """The texts of the standard library's .py files, in path order: every 10th (held_out) or the others."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts)
+    return [f.read_text(encoding="utf-8", errors="replace") for i, f in enumerate(files) if (i % 10 == 0) == held_out]
+
+
+def tokens(texts):
+    """The texts as one token array, each followed by <|endoftext|>. The tokenizer is GPT-2's, from random:gpt2's
+    directory (no network)."""
     tokenizer = Tokenizer(resolve_model("random:gpt2"))
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts)
-    parts = ([], [])
-    for i, f in enumerate(files):
-        text = f.read_text(encoding="utf-8", errors="replace")
-        parts[i % 10 == 0].append(np.array(tokenizer.encode(text) + [EOT], np.int32))
-    return tuple(np.concatenate(p) for p in parts)
-
-
-def held_out_files():
-    """The held-out files' texts, each a prompt source for bench's workloads (the model never saw them)."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts)
-    return [f.read_text(encoding="utf-8", errors="replace") for f in files[::10]]
+    return np.concatenate([np.array(tokenizer.encode(text) + [EOT], np.int32) for text in texts])
 
 
 def train(n_layer, seconds, tokens, device):
@@ -83,7 +77,7 @@ def make_models(device="cuda", log=print):
     is logged either way (it is in each directory's loss.txt)."""
     paths = {name: CACHE / name for name in MODELS}
     if not all((p / "loss.txt").exists() for p in paths.values()):
-        train_tokens, test_tokens = corpus()
+        train_tokens, test_tokens = tokens(corpus(held_out=False)), tokens(corpus(held_out=True))
         log(f"corpus: the standard library, {len(train_tokens):,} tokens to train on, {len(test_tokens):,} held out")
         vocab = resolve_model("random:gpt2")
         for name, p in paths.items():
@@ -107,7 +101,7 @@ def workloads(tokenizer, n_new):
     first 32 again: the output should re-emit it), greedy continuation of a file's first 256 tokens, and seeded
     sampling (T 0.8, top-p 0.95) of the same. Each with the ids a copy would emit (None: not a copy)."""
     from sampling_params import SamplingParams
-    files = [tokenizer.encode(text) for text in held_out_files()]
+    files = [tokenizer.encode(text) for text in corpus(held_out=True)]
     copy_src = next(ids for ids in files if len(ids) > 384 + n_new)
     code = next(ids for ids in files[1:] if len(ids) > 256)
     greedy = SamplingParams(max_tokens=n_new, temperature=0, ignore_eos=True)
@@ -173,7 +167,7 @@ def quality_lessons(paths, windows=8, n_new=256, device="cuda"):
     loss (under fp32) of text sampled at T 0.8, top-p 0.95, beside the held-out text's own."""
     from nanoinfer import LLM
     from sampling_params import SamplingParams
-    _, test = corpus()
+    test = tokens(corpus(held_out=True))
     starts = np.linspace(0, len(test) - CONTEXT, windows).astype(int)
     texts = [test[s:s + CONTEXT].tolist() for s in starts]
     llms = {name: LLM(str(paths["target"]), device=device, num_kv_tokens=2048, **kw) for name, kw in (
