@@ -255,21 +255,6 @@ def batch_fields(batch, min_q):
     return {f: np.asarray(a, np.int32) for f, a in fields.items() if a is not None}
 
 
-def pack_batch(batch, min_q):
-    """batch_fields in one host buffer (layout()): the buffer, its layout, and the longest attention row's keys."""
-    fields = batch_fields(batch, min_q)
-    where, size = layout({f: (a.shape, np.int32) for f, a in fields.items()})
-    host = np.zeros(size, np.int32)
-    for f, view in views(host, where).items():
-        view[...] = fields[f]
-    return host, where, int(fields["row_len"].max(initial=0))
-
-
-def device_batch_of(dev, where, max_row_len):
-    """The device batch whose arrays are views of one device buffer laid out as pack_batch says."""
-    return device_batch(**{"logits_idx": None, **views(dev, where)}, max_row_len=max_row_len)
-
-
 def device_batch(**fields):
     """A Batch on the GPU with its attention plan: what every op of a step reads."""
     return types.SimpleNamespace(n_rows=len(fields["row_seq"]), n_tiles=len(fields["tile_seq"]), **fields)
@@ -319,8 +304,7 @@ class CudaBackend:
                              "use device='cpu'")
 
     def launch(self, name, grid, block, args, shared_mem=0, dependent=True):
-        """Launch `name` on the current stream: in capture() with dependent launches on as one (unless `dependent` is
-        False), else through CuPy."""
+        """Launch `name` on the current stream: as a dependent launch while capture() has them on, else through CuPy."""
         if self._dependent and dependent and not name.startswith(LADDER):
             return launch_dependent(self.kernels[name], grid, block, args, shared_mem)
         self.kernels[name](grid, block, args, shared_mem=shared_mem)
@@ -387,8 +371,13 @@ class CudaBackend:
 
     def to_device(self, batch):
         """The batch's int32 arrays and attention plan on the GPU in one copy (a copy each costs more host time)."""
-        host, layout, max_row_len = pack_batch(batch, self.tile_min_q)
-        return device_batch_of(cp.asarray(host), layout, max_row_len)
+        fields = batch_fields(batch, self.tile_min_q)
+        where, size = layout({f: (a.shape, np.int32) for f, a in fields.items()})
+        host = np.zeros(size, np.int32)
+        for f, view in views(host, where).items():
+            view[...] = fields[f]
+        max_row_len = int(fields["row_len"].max(initial=0))
+        return device_batch(**{"logits_idx": None, **views(cp.asarray(host), where)}, max_row_len=max_row_len)
 
     # ---- ops ----------------------------------------------------------------------------------
     def embed(self, wte, wpe, input_ids, positions):
@@ -406,13 +395,13 @@ class CudaBackend:
         T, C = x.shape
         assert C % self.vec == 0 and C <= 2048, f"layernorm: C={C} must be a multiple of {self.vec} and <= 2048"
         y = self.empty((T, C))
-        if T and self.simple:
-            self.launch(f"layernorm_thread<{self.t}>", (cdiv(T, 128),), (128,),
-                        (x, self._contiguous(w), self._contiguous(b), y, np.int32(T), np.int32(C), np.float32(eps)))
-        elif T:
-            threads = cdiv(C // self.vec, 32) * 32  # a 16-byte vector a thread, whole warps
-            self.launch(f"layernorm<{self.t}>", (min(T, LAYERNORM_BLOCKS_PER_SM * self.num_sms),), (threads,),
-                        (x, self._contiguous(w), self._contiguous(b), y, np.int32(T), np.int32(C), np.float32(eps)))
+        if T:
+            args = (x, self._contiguous(w), self._contiguous(b), y, np.int32(T), np.int32(C), np.float32(eps))
+            if self.simple:
+                self.launch(f"layernorm_thread<{self.t}>", (cdiv(T, 128),), (128,), args)
+            else:
+                threads = cdiv(C // self.vec, 32) * 32  # a 16-byte vector a thread, whole warps
+                self.launch(f"layernorm<{self.t}>", (min(T, LAYERNORM_BLOCKS_PER_SM * self.num_sms),), (threads,), args)
         return y
 
     def matmul(self, x, w, bias=None, gelu=False, residual=None, ln=None, out_dtype=None):
@@ -444,21 +433,19 @@ class CudaBackend:
         scale = 0 if scale is None else self._contiguous(scale, np.float32)
         bias = 0 if bias is None else self._contiguous(bias)
         residual = None if residual is None else self._contiguous(residual)
-        rows = plan.rows_per_launch
-        if not rows or rows >= M:
-            self._matmul_launch(plan, plan.grid, x, q, scale, bias, residual, y, gelu, f32, ln)
-        else:  # batch-invariant plans: M in launches whose split-K partial sums fit the scratch (64-row tiles)
-            for r in range(0, M, rows):
-                m = min(rows, M - r)
-                self._matmul_launch(plan, (plan.grid[0], cdiv(m, 64), plan.grid[2]), x[r:r + m], q, scale, bias,
-                                    None if residual is None else residual[r:r + m], y[r:r + m], gelu, f32, ln)
+        rows = plan.rows_per_launch or M  # batch-invariant plans: launches whose split-K partial sums fit the scratch
+        for r in range(0, M, rows):
+            m = min(rows, M - r)
+            grid = (plan.grid[0], cdiv(m, 64), plan.grid[2]) if plan.rows_per_launch else plan.grid  # 64-row tiles
+            self._matmul_launch(plan, grid, x[r:r + m], q, scale, bias, None if residual is None else residual[r:r + m],
+                                y[r:r + m], gelu, f32, ln)
         return y if out_dtype is None else y.astype(out_dtype, copy=False)
 
     def _matmul_launch(self, plan, grid, x, w, scale, bias, residual, y, gelu, f32, ln):
         """One launch of plan's kernel over these rows of x, y (and residual) on this grid."""
         M, K = x.shape
-        head, tail = (x, w, scale, bias, 0 if residual is None else residual, y), (np.int32(len(w)), np.int32(K),
-                                                                                    np.int32(bool(gelu)))
+        head = (x, w, scale, bias, 0 if residual is None else residual, y)
+        tail = (np.int32(len(w)), np.int32(K), np.int32(bool(gelu)))
         if plan.kernel.startswith("matmul_gemv"):
             ln_w, ln_b, eps = (0, 0, 0.0) if ln is None else (self._contiguous(ln[0]), self._contiguous(ln[1]), ln[2])
             args = head + tail + (np.int32(f32), ln_w, ln_b, np.float32(eps), np.int32(plan.rows_per_warp))
@@ -530,13 +517,11 @@ class CudaBackend:
                 max(1, min(cdiv(4 * self.num_sms, batch.n_rows * H), cdiv(batch.max_row_len, 32), 32))
             rows = (batch.row_q, batch.row_seq, batch.row_len)
             cache = (k_cache, v_cache, batch.cu_seqlens_q) + common
-            per_launch = self._counters.size // H  # rows whose splits the arrival counters count at once
-            if nsplit == 1 or batch.n_rows <= per_launch:
-                self._attention_decode(q, qs, new_kv, cache, *rows, H, scale_log2, out, nsplit)
-            else:  # batch-invariant prefill of many rows: launches of per_launch rows
-                for r in range(0, batch.n_rows, per_launch):
-                    self._attention_decode(q, qs, new_kv, cache, *(a[r:r + per_launch] for a in rows), H,
-                                           scale_log2, out, nsplit)
+            # split rows: launches of as many as the arrival counters count at once (batch-invariant prefill has more)
+            per_launch = self._counters.size // H if nsplit > 1 else batch.n_rows
+            for r in range(0, batch.n_rows, per_launch):
+                self._attention_decode(q, qs, new_kv, cache, *(a[r:r + per_launch] for a in rows), H, scale_log2, out,
+                                       nsplit)
         return out
 
     def _attention_decode(self, q, qs, new_kv, cache, row_q, row_seq, row_len, H, scale_log2, out, nsplit):
