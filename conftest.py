@@ -121,10 +121,11 @@ class Ckpt:
     n_ctx: int
 
 
-def write_checkpoint(path, seed, n_layer=2, n_head=2, n_embd=128, n_positions=128, **config):
+def write_checkpoint(path, seed, n_layer=2, n_head=2, n_embd=128, n_positions=128, massive=0.0, **config):
     """A random GPT-2 in the HF layout, made peaked so greedy choices are rarely near-ties: the last MLP becomes a
     sparse 'vote' layer (a unit fires only well above its threshold and writes one vocabulary token's embedding
-    direction), so the top logit usually stands clear of the second while the choice still depends on context."""
+    direction), so the top logit usually stands clear of the second while the choice still depends on context.
+    massive: the first MLP adds it to 4 channels of every token's residual (trained GPT-2s carry a few such)."""
     from transformers import GPT2Config, GPT2LMHeadModel
     torch.manual_seed(seed)
     cfg = GPT2Config(**{"vocab_size": 50257, **config}, n_positions=n_positions, n_embd=n_embd, n_layer=n_layer,
@@ -142,6 +143,7 @@ def write_checkpoint(path, seed, n_layer=2, n_head=2, n_embd=128, n_positions=12
         mlp.c_fc.bias.fill_(-2.25 * 4.0)
         votes = model.transformer.wte.weight[torch.randint(0, min(cfg.vocab_size, 50257), (4 * C,))]
         mlp.c_proj.weight.copy_(votes / votes.norm(dim=1, keepdim=True) * 10.0)
+        model.transformer.h[0].mlp.c_proj.bias[:4] += massive
     model.save_pretrained(path, safe_serialization=True)
     vocab, merges = gpt2_vocab_files()
     shutil.copy(vocab, path / "vocab.json")
@@ -161,6 +163,13 @@ def wide(tmp_path_factory):
     """A second shape: 3 layers, 4 heads, n_embd 256 (head_dim 64), context 256."""
     return write_checkpoint(tmp_path_factory.mktemp("wide"), seed=1, n_layer=3, n_head=4, n_embd=256,
                             n_positions=256)
+
+
+@pytest.fixture(scope="session")
+def loud(tmp_path_factory):
+    """24 layers carrying residual channels of ~1,000 (massive), context 1024: fp16's hard case at long context."""
+    return write_checkpoint(tmp_path_factory.mktemp("loud"), seed=2, n_layer=24, n_head=4, n_embd=256,
+                            n_positions=1024, massive=1000.0)
 
 
 @pytest.fixture(scope="session")
@@ -603,7 +612,7 @@ class EmulatedGPU(NumpyBackend):
 
     def launch(self, name, grid, block, args):
         twin = {"decode_advance": ni.decode_advance, "ngram_propose": speculation.ngram_propose,
-                "spec_accept": speculation.spec_accept}[name]
+                "spec_accept": speculation.spec_accept, "draft_inputs": speculation.draft_inputs}[name]
         twin(*[a if isinstance(a, np.ndarray) and a.ndim else int(a) for a in args])
 
     def cache_write(self, k, v, k_cache, v_cache, slot_mapping):  # padding (slot -1) writes nothing, as the kernel
@@ -617,6 +626,7 @@ def emulated_gpu(monkeypatch):
     the test)."""
     import graph_runner
     monkeypatch.setattr(graph_runner, "cp", FAKE_CUPY)
+    monkeypatch.setattr(speculation, "cp", FAKE_CUPY)
     monkeypatch.setattr(sys.modules[__name__], "_solo_cache", {})
     make = ni.make_backend
     monkeypatch.setattr(ni, "make_backend", lambda d, *args: EmulatedGPU() if d == "cuda" else make(d, *args))

@@ -45,7 +45,7 @@ def find_gpu():
 
 KERNELS_CU = Path(__file__).with_name("kernels.cu")
 PLAIN = ["matmul_mma", "attention_prefill", "penalize", "sample_pass", "sample_pick", "decode_advance", "ngram_propose",
-         "spec_accept"]  # the kernels that are no template
+         "spec_accept", "draft_inputs"]  # the kernels that are no template
 LADDER = ("matmul_naive", "matmul_tiled", "matmul_mma", "layernorm_thread", "layernorm_warp", "attention_naive",
           "attention_online")  # the ladder's rungs (kernels.cu, section L): launched plainly, never as dependents
 GEMV_SMEM = 224 * 1024  # matmul_gemv keeps x in shared memory: K * 2 bytes at most

@@ -3,7 +3,7 @@ file, as cuda_backend.py). nanoinfer.ModelRunner hands in `decode_step`, the eag
 records exactly that. Later than it reads: every graph is captured at start-up (GraphRunner); a decode step's last
 kernel makes the next step's inputs on the GPU (decode_advance), so a run of up to 16 steps needs the host once; and the
 next run is launched before the host reads this one (GraphRunner.run). DecodeGraph: a decode step; ChunkGraph: padded
-chunks (a lone prompt's prefill, drafts to verify); SpecGraph: n-gram speculation's draft-verify-accept step."""
+chunks (a lone prompt's prefill). Speculation's graphs, steps chained on the GPU, are speculation.py's."""
 import contextlib
 import types
 
@@ -153,8 +153,9 @@ class DecodeGraph(Graph):
 class ChunkGraph(Graph):
     """Up to B sequences' chunks of up to T tokens, sampling up to `samples` rows of each, as one CUDA graph (eager,
     their ~100 launches from Python cost more than GPT-2's GPU work): a lone prompt's prefill (B 1, samples 1), or
-    drafts to verify (samples T). A chunk is padded to T tokens: a pad computes at its sequence's last real position,
-    writing no cache slot; each sequence is declared T queries long, so real queries keep their positions and keys."""
+    speculation's drafts to verify (samples T). A chunk is padded to T tokens: a pad computes at its sequence's last
+    real position, writing no cache slot; each sequence is declared T queries long, so real queries keep their
+    positions and keys."""
     def __init__(self, chunk_step, backend, kv, n_ctx, stream, pool, T, samples, B=1, state=None):
         self.T, self.samples, self.B, self.min_q = T, samples, B, backend.tile_min_q
         self.chunk_step, self.width = chunk_step, kv.blocks_needed(n_ctx + T)  # pads may look past the context
@@ -171,7 +172,7 @@ class ChunkGraph(Graph):
             self.tokens = cp.zeros(B * samples, np.int32)  # where every replay leaves the sampled tokens (no pool)
             self.capture(backend, pool, self.step)
 
-    def step(self):  # what each replay runs (SpecGraph adds kernels before and after)
+    def step(self):  # what each replay runs (speculation.SpecGraph adds kernels before and after)
         self.tokens[...] = self.chunk_step(self.batch, self.dev)  # (sampling: SamplingArrays' fields, by name)
 
     def padded(self, batch):
@@ -207,56 +208,8 @@ class ChunkGraph(Graph):
         return {s: tokens[a:b].tolist() for s, a, b in zip(batch.seqs, rows[:-1], rows[1:]) if b > a}
 
 
-class SpecGraph(ChunkGraph):
-    """n-gram speculation chained on the GPU, many steps a run (the host pays once a run, not once a step). A replay
-    drafts (ngram_propose: each row's T = k + 1 queries from its token history, speculation.py's rule), verifies (the
-    forward samples each query) and keeps (spec_accept: the draft to its first miss, then the token sampled there, into
-    the history and a ring). A row that has made all it may is padding."""
-    def __init__(self, chunk_step, backend, kv, n_ctx, stream, pool, proposer, B):
-        self.n_ctx, self.backend, self.kv, self.proposer, T = n_ctx, backend, kv, proposer, proposer.k + 1
-        with stream:
-            self.ring = cp.zeros((MAX_STEPS_PER_RUN, B, T + 2), np.int32)  # per step and row: kept, verified, tokens
-            self.scratch = cp.zeros(B * T, np.int32)  # row lengths no kernel reads (a tiled chunk's)
-        state = dict(history=(B * n_ctx,), length=(B,), remaining=(B,), token_base=(B,), ndraft=(B,), step=(B,))
-        super().__init__(chunk_step, backend, kv, n_ctx, stream, pool, T, T, B,
-                         state={f: (shape, np.int32) for f, shape in state.items()})
-        self.host["logits_idx"][:] = np.arange(B * T)  # every query samples
-
-    def step(self):
-        d, b = self.dev, self.batch
-        self.backend.launch("ngram_propose", (self.B,), (128,), (
-            d["history"], d["length"], d["remaining"], d["token_base"], d["ndraft"], b.input_ids, b.positions,
-            b.slot_mapping, b.context_lens, b.row_len if b.n_rows else self.scratch, d["token_index"],
-            b.block_tables, np.int32(self.width), np.int32(self.kv.block_size), np.int32(self.n_ctx),
-            np.int32(self.T), np.int32(self.proposer.n_min), np.int32(self.proposer.n_max)))
-        super().step()
-        self.backend.launch("spec_accept", (-(-self.B // 128),), (128,), (
-            self.tokens, b.input_ids, d["ndraft"], d["history"], d["length"], d["remaining"], d["token_base"],
-            d["step"], self.ring, np.int32(self.B), np.int32(self.T), np.int32(self.n_ctx)))
-
-    def run(self, seqs, sampling, plan):
-        """{sequence: the tokens it kept, in order}: rows loaded, plan.num_steps replays; vLLM's counters counted."""
-        for row, seq in enumerate(seqs):  # history: (B, n_ctx), each row's token ids (past its length: not read)
-            self.host["history"][row * self.n_ctx:row * self.n_ctx + len(seq.token_ids)] = seq.token_ids
-        for f, values in dict(length=[len(seq.token_ids) for seq in seqs], remaining=plan.remaining,
-                              token_base=plan.token_index, ndraft=[], step=[], block_tables=plan.block_tables).items():
-            self.set(f, values)
-        for f in SAMPLING:  # a row's parameters on each of its T queries (padding: a padding row's)
-            self.set(f, np.repeat(getattr(sampling, f), self.T))
-        self.upload()
-        for _ in range(plan.num_steps):
-            self.graph.launch(self.stream)
-        ring, kept = self.ring[:plan.num_steps].get(stream=self.stream), {seq: [] for seq in seqs}
-        for row, seq in enumerate(seqs):
-            for n, verified, *tokens in ring[:, row].tolist():  # a step's tokens kept (0: the row had made all it
-                if n:  # may), drafts verified, the tokens
-                    kept[seq] += tokens[:n]
-                    self.proposer.count(seq, verified, n - 1)
-        return kept
-
-
 class GraphRunner:
-    """The batches CUDA graphs replay (decode runs, a lone prompt's prefill, drafts to verify, n-gram's chained steps),
+    """The batches CUDA graphs replay (decode runs, a lone prompt's prefill, speculation's chained steps),
     on one stream with the engine's eager steps (eager()): a run ends before later work reuses its blocks."""
     def __init__(self, decode_step, backend, kv, n_ctx, engine, scheduler=None, proposer=None):
         self.kv, self.n_ctx, self.scheduler, self.proposer = kv, n_ctx, scheduler, proposer
@@ -268,37 +221,33 @@ class GraphRunner:
         big = [b for b in GRAPH_BUCKETS if b >= engine.max_num_seqs][:1]
         buckets = big + [b for b in reversed(GRAPH_BUCKETS) if b < engine.max_num_seqs]
         common = (decode_step, backend, kv, n_ctx, self.stream, cp.cuda.MemoryPool())  # each graph's first arguments
-        ngram, k1 = getattr(proposer, "method", None) == "ngram", proposer and proposer.k + 1  # (speculation.py)
         self.graphs = {B: DecodeGraph(*common, B) for B in buckets}
         self.prefills = {T: ChunkGraph(*common, T, 1) for T in reversed(PREFILL_BUCKETS) if T <= n_ctx}
-        self.spec = {B: SpecGraph(*common, proposer, B) for B in buckets if ngram}
-        self.verify = {B: ChunkGraph(*common, k1, k1, B) for B in buckets if proposer and not ngram}
-        self.description = f"{len(self.graphs) + len(self.prefills) + len(self.spec) + len(self.verify)} CUDA " \
-            f"graphs (decode batches of 1 to {buckets[0]} rows, prefills of up to {max(self.prefills)} tokens)"
+        self.spec = {B: proposer.chained_graph(common, B) for B in buckets} if proposer else {}  # (speculation.py)
+        self.description = f"{len(self.graphs) + len(self.prefills) + len(self.spec)} CUDA graphs (decode batches " \
+            f"of 1 to {buckets[0]} rows, prefills of up to {max(self.prefills)} tokens)"
 
     def takes(self, batch):
-        """Whether graphs run this batch (no log-probs or edited logits): decodes, drafts to verify, a lone prompt."""
+        """Whether graphs run this batch (no log-probs or edited logits): decodes, a lone prompt."""
         if batch.num_scoring.any() or any(s.logprobs is not None or s.edits_logits for s in batch.seqs):
             return False
         S, T, R = len(batch.seqs), len(batch.input_ids), int(batch.num_sampled.sum())
         if T == S:
             return R == S <= max(self.graphs)
-        if T == R:  # drafts to verify
-            return bool(self.verify) and S <= max(self.verify) and max(np.diff(batch.cu_seqlens_q)) <= self.verify[1].T
         return S == R == 1 and T <= max(self.prefills, default=0)
 
     def running_ahead(self):  # whether a run launched ahead computes running sequences (an admission ends it unread)
         return self.in_flight is not None and any(not s.finish_reason for s in self.in_flight.seqs)
 
     def run(self, batch, sampling):
-        """{sequence: its new tokens}. Chunks: one replay of the smallest graph that holds them. Decodes: a SpecGraph
-        run while n-gram drafts; else the run in flight if it computes them, or one launched now, and the next launched
-        before their tokens are read if it can go on alone (no request waits to come in, no draft to verify next)."""
+        """{sequence: its new tokens}. A prompt's chunk: one replay of the smallest graph that holds it. Decodes: a
+        run of chained speculation steps while drafting; else the run in flight if it computes them, or one launched
+        now, and the next launched before their tokens are read if it can go on alone (no request waits to come in, no
+        drafting)."""
         S, drafting = len(batch.seqs), self.proposer is not None and self.proposer.active(len(batch.seqs))
         run, self.in_flight = self.in_flight, None  # (a run in flight that computes other tokens is dropped unread)
-        if len(batch.input_ids) > S:  # drafts to verify, or a lone prompt's chunk
-            graphs, size = (self.verify, S) if batch.num_sampled.sum() > 1 else (self.prefills, len(batch.input_ids))
-            return graphs[min(b for b in graphs if b >= size)].run(batch, sampling)
+        if len(batch.input_ids) > S:  # a lone prompt's chunk
+            return self.prefills[min(T for T in self.prefills if T >= len(batch.input_ids))].run(batch, sampling)
         if drafting and self.spec:
             graph = self.spec[min(B for B in self.spec if B >= S)]
             plan = plan_run(self.kv, batch.seqs, 0, self.num_scheduler_steps, self.n_ctx, graph.T)
@@ -306,7 +255,7 @@ class GraphRunner:
                 return graph.run(batch.seqs, sampling, plan)
         starts = {s.seq_id: p for s, p, n in zip(run.seqs, run.positions, run.remaining) if n} if run else {}
         if not all(starts.get(s.seq_id) == len(s.token_ids) - 1 for s in batch.seqs):  # (each one's first step)
-            # one step when the host drafts next (a draft model's): more would run past tokens a draft could make
+            # one step while drafting (too few blocks for a chained run): the next step may draft again
             plan = plan_run(self.kv, batch.seqs, 0, 1 if drafting else self.num_scheduler_steps, self.n_ctx)
             graph = self.graphs[min(B for B in self.graphs if B >= S)]
             graph.start(np.array([s.token_ids[-1] for s in batch.seqs], np.int32), sampling._asdict(), plan)

@@ -1474,6 +1474,7 @@ extern "C" __global__ void decode_advance(const int* tokens, int* input_ids, int
 // Then the row's verification chunk of T = k + 1 queries: its last token and the draft at positions L - 1 + j, the rest
 // pads (no cache slot) at the last real position; the chunk is declared T queries long (context L + T - 1), so query
 // j sees L + j keys, as graph_runner.ChunkGraph pads a chunk. A finished row (remaining 0) is padding throughout.
+// n_max 0: no search, the draft is a draft model's, already in the history after the row's L tokens (draft_inputs).
 // Tiny: the history's L ints read ~n_max times (L2), a thread per end.
 extern "C" __global__ void ngram_propose(const int* history, const int* length, const int* remaining,
                                          const int* token_base, int* ndraft, int* input_ids, int* positions,
@@ -1485,18 +1486,22 @@ extern "C" __global__ void ngram_propose(const int* history, const int* length, 
     const int b = blockIdx.x, L = length[b], left = remaining[b];
     const int* ids = history + (long)b * n_ctx;
     const int room = left > 0 ? min(T - 1, left - 1) : 0;  // left: the tokens it may still make (context included)
+    const bool drafted = n_max == 0;
     if (threadIdx.x == 0) best = -1;
     __syncthreads();
-    for (int e = threadIdx.x; room > 0 && e < L - 1; e += blockDim.x) {
+    for (int e = threadIdx.x; !drafted && room > 0 && e < L - 1; e += blockDim.x) {
         int m = 0;
         while (m < n_max && m <= e && ids[e - m] == ids[L - 1 - m]) m++;
         if (m >= n_min) atomicMax(&best, m << 20 | e);
     }
     __syncthreads();
-    const int nd = best < 0 ? 0 : room, e = best & 0xfffff, d = L - 1 - e, live = left > 0;
+    const int nd = drafted || best >= 0 ? room : 0, e = best & 0xfffff, d = L - 1 - e, live = left > 0;
     for (int j = threadIdx.x; j < T; j += blockDim.x) {
         const int i = b * T + j, pos = live ? L - 1 + min(j, nd) : 0, blk = pos / block_size;
-        input_ids[i] = !live ? 0 : j == 0 ? ids[L - 1] : j <= nd ? ids[e + 1 + (j - 1) % d] : 0;
+        int id = 0;  // a pad's
+        if (live && j == 0) id = ids[L - 1];
+        if (live && j > 0 && j <= nd) id = drafted ? ids[L - 1 + j] : ids[e + 1 + (j - 1) % d];
+        input_ids[i] = id;
         positions[i] = pos;
         slot_mapping[i] = live && j <= nd ? block_tables[(long)b * width + blk] * block_size + pos % block_size : -1;
         token_index[i] = token_base[b] + j;
@@ -1533,6 +1538,36 @@ extern "C" __global__ void spec_accept(const int* tokens, const int* input_ids, 
     length[b] = L + a + 1;
     remaining[b] -= a + 1;
     token_base[b] += a + 1;
+}
+
+// 15. draft_inputs: a draft model's steps chained on the GPU (DraftGraph in graph_runner.py), launched before each of
+// its k forwards (j = 0 .. k - 1) and once after the last (Q 0). Row b (a thread) first stores the token the forward
+// before sampled (tokens) as draft j - 1, in its history after its L tokens (ngram_propose with n_max 0 reads it
+// there). Then forward j's inputs, Q queries a row: at j = 0 its last two tokens (positions L - 2 and L - 1: the draft
+// model's K/V of all before them is right, DraftModelProposer.catch_up), after that draft j - 1 at L - 1 + j. The
+// last query samples, with the target's race at the same token index (token_base + j). A row needs forward j only
+// while j < its room (the drafts it may verify, remaining - 1, k at most); past it, or finished, it is padding.
+// Tiny: a thread per row, ~4 ints a query.
+extern "C" __global__ void draft_inputs(const int* tokens, int* history, const int* length, const int* remaining,
+                                        const int* token_base, int* input_ids, int* positions, int* slot_mapping,
+                                        int* context_lens, int* row_len, int* token_index, const int* block_tables,
+                                        int width, int block_size, int n_ctx, int T, int j, int Q, int B) {
+    wait_for_inputs();
+    const int b = blockIdx.x * blockDim.x + threadIdx.x;
+    if (b >= B) return;
+    const int L = length[b], left = remaining[b], room = left > 0 ? min(T - 1, left - 1) : 0, live = j < room;
+    int* ids = history + (long)b * n_ctx;
+    if (j > 0 && j <= room) ids[L + j - 1] = tokens[b];
+    if (Q == 0) return;
+    for (int q = 0; q < Q; q++) {
+        const int i = b * Q + q, pos = L - Q + j + q, real = live && pos >= 0;  // (a 1-token prompt: no L - 2)
+        input_ids[i] = real ? ids[pos] : 0;
+        positions[i] = real ? pos : 0;
+        slot_mapping[i] = real ? block_tables[(long)b * width + pos / block_size] * block_size + pos % block_size : -1;
+        row_len[i] = real ? pos + 1 : q + 1;  // attention_decode's rows (a scratch when the chunk is tiled)
+    }
+    token_index[b] = token_base[b] + j;
+    context_lens[b] = live ? L + j : Q;
 }
 
 // The templates' instantiations, one list: NVRTC gets them as name expressions (cuda_backend reads them here), and

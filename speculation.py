@@ -19,12 +19,20 @@ On the GPU, n-gram steps chain without the host (graph_runner.SpecGraph: ngram_p
 definitions close this file); the host drafts for the requests the graphs do not take, and for a draft model.
 """
 import dataclasses
+import types
 
 import numpy as np
 
 from checkpoint import Tokenizer, load_config, load_weights, resolve_model
+from cuda_backend import batch_fields, device_batch
+from graph_runner import MAX_STEPS_PER_RUN, SAMPLING, ChunkGraph, Graph
 from nanoinfer import GPT, ModelRunner, make_batch
 from scheduler import Scheduler, Sequence
+
+try:
+    import cupy as cp  # (this file imports without CuPy: the chained graphs are built only on a GPU)
+except ImportError:
+    cp = None
 
 FORMS = ('{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 1} or '
          '{"model": a GPT-2 name or directory, "num_speculative_tokens": k}, either with "disable_by_batch_size": N')
@@ -40,7 +48,7 @@ def make_proposer(config, llm):
 class Proposer:
     """What both ways share: k, a sequence's room for a draft, when to draft, the seams, vLLM's counters."""
     draft_config = None  # a draft model's GPT-2 config (its K/V share the pool's slots)
-    on_device = False  # the GPU drafts for the decodes its graphs take (n-gram: graph_runner.SpecGraph)
+    on_device = False  # the GPU drafts for the decodes its graphs take (chained_graph)
 
     def __init__(self, config, n_ctx):
         self.k, self.max_batch = config.get("num_speculative_tokens"), config.get("disable_by_batch_size")
@@ -62,7 +70,10 @@ class Proposer:
         return self.max_batch is None or batch <= self.max_batch
 
     def room(self, seq, budget):
-        """Tokens seq may draft: k, the step's budget, and the tokens it may still make (max_tokens, context) less 1."""
+        """Tokens seq may draft on the host: k, the step's budget, and the tokens it may still make (max_tokens,
+        context) less 1; none where the GPU drafts (a decode the graphs take: no log-probs, logits unedited)."""
+        if self.on_device and seq.logprobs is None and not seq.edits_logits:
+            return 0
         p = seq.params
         return max(0, min(self.k, budget, min(p.max_tokens - seq.num_output, self.n_ctx - len(seq.token_ids)) - 1))
 
@@ -103,7 +114,7 @@ class Verifier:
     def __init__(self, runner, proposer):
         self.runner, self.proposer = runner, proposer
         self.running_ahead, self.wait, self.step_failed = runner.running_ahead, runner.wait, runner.step_failed
-        proposer.on_device = isinstance(proposer, NgramProposer) and runner.graphs is not None
+        proposer.on_device = runner.graphs is not None
 
     def run(self, batch):
         sampled = self.runner.run(batch)
@@ -131,12 +142,15 @@ class NgramProposer(Proposer):
             raise ValueError(f"speculative_config={config!r}: prompt_lookup_max and prompt_lookup_min are integers "
                              ">= 1, prompt_lookup_min <= prompt_lookup_max")
 
+    def chained_graph(self, common, B):  # graph_runner.GraphRunner's graph of B rows drafting on the GPU
+        return SpecGraph(*common, self, B)
+
     def propose(self, seq, budget):
         """seq's draft: after the latest earlier occurrence of its last n tokens (n from prompt_lookup_max down), what
         came next, as much as its room holds. Copied as LZ77 copies: a token at a time, so that an occurrence close
         to the end runs on into the draft itself (d tokens back: the last d tokens repeated, as in a loop of d)."""
         room = self.room(seq, budget)
-        if room <= 0 or self.on_device and seq.logprobs is None and not seq.edits_logits:
+        if room <= 0:
             return []
         ids = np.asarray(seq.token_ids)
         ends, found = np.arange(len(ids) - 1), None  # where earlier occurrences of the last n tokens end, n = 1, 2, ...
@@ -191,16 +205,33 @@ class DraftModelProposer(Proposer):
         self.draft.attach(kv, engine)
         return super().scheduler(kv, engine)
 
+    def chained_graph(self, common, B):  # graph_runner.GraphRunner's graph of B rows drafting on the GPU
+        return DraftGraph(*common, self, B)
+
     def propose(self, seq, budget):
         """Room for the draft: its tokens are fill's, made once the step's drafting sequences are known."""
         return [0] * self.room(seq, budget)
+
+    def catch_up(self, seqs):
+        """Before a run of DraftGraph steps, whose first computes each sequence's last two tokens: the draft K/V of
+        all tokens before them, computed now where missing (a new prompt, a preemption, host drafts not kept)."""
+        self._forget_gone()
+        behind = [view(seq, seen, 0, end=len(seq.token_ids) - 2) for seq in seqs
+                  if (seen := self._seen(seq)) < len(seq.token_ids) - 2]
+        if behind:  # (the token each samples is not needed)
+            self.draft.runner.run(make_batch([(v, v.num_uncomputed) for v in behind], self.draft.kv))
+
+    def ran(self, kept):
+        """After a DraftGraph run: the draft K/V of each sequence right for all but the last two of its tokens."""
+        for seq, tokens in kept.items():
+            n = len(seq.token_ids) + len(tokens) - 2
+            self.computed[seq.seq_id] = (n, tuple(self.kv.block_tables[seq.seq_id][:self.kv.blocks_needed(n)]))
 
     def fill(self, seqs):
         """Each sequence's draft: a forward over its tokens the draft model has not seen, then one a draft token."""
         if not seqs:  # most steps of most workloads
             return
-        tables = self.kv.block_tables  # forget the sequences gone
-        self.computed, self.fed = ({i: c for i, c in d.items() if i in tables} for d in (self.computed, self.fed))
+        self._forget_gone()
         made, start = {seq: 0 for seq in seqs}, {seq: self._seen(seq) for seq in seqs}
         while views := {view(seq, start[seq] if j == 0 else len(seq.token_ids) + j - 1, j): seq
                         for seq, j in made.items() if j < len(seq.draft)}:
@@ -215,6 +246,10 @@ class DraftModelProposer(Proposer):
             self.computed[s.seq_id] = (n, tuple(self.kv.block_tables[s.seq_id][:self.kv.blocks_needed(n)]))
             self.fed[s.seq_id] = (len(s.token_ids), s.draft[:-1])
 
+    def _forget_gone(self):
+        tables = self.kv.block_tables
+        self.computed, self.fed = ({i: c for i, c in d.items() if i in tables} for d in (self.computed, self.fed))
+
     def _seen(self, seq):
         """How many of seq's first tokens have right draft K/V, all but its last at most (fed now): those written, up
         to the first draft token fed that the sequence did not keep; none if its blocks changed (a preemption)."""
@@ -227,35 +262,158 @@ class DraftModelProposer(Proposer):
         return min(n, position + kept, len(seq.token_ids) - 1)
 
 
-def view(seq, start, j):
-    """seq as the draft model sees it at draft token j: its tokens and first j drafts, computing from `start`, sampling
-    with its seed, temperature and filters, its logits unedited (the target applies the request's penalties, bias and
-    bans), making no more than the draft's tokens."""
-    params = dataclasses.replace(seq.params, max_tokens=seq.num_output + len(seq.draft), min_tokens=0, logprobs=None,
-                                 prompt_logprobs=None, repetition_penalty=1.0, presence_penalty=0.0,
+def view(seq, start, j, end=None):
+    """seq as the draft model sees it at draft token j: its tokens and first j drafts (or its first `end` tokens, a
+    prompt of their own), computing from `start`, sampling with its seed, temperature and filters, its logits unedited
+    (the target applies the request's penalties, bias and bans), making no more than the draft's tokens."""
+    params = dataclasses.replace(seq.params, max_tokens=max(1, seq.num_output + len(seq.draft)), min_tokens=0,
+                                 logprobs=None, prompt_logprobs=None, repetition_penalty=1.0, presence_penalty=0.0,
                                  frequency_penalty=0.0, logit_bias=None)
-    v = Sequence(seq.seq_id, seq.prompt_token_ids, params, seq.seed, None)
-    v.token_ids, v.num_computed = seq.token_ids + seq.draft[:j], start
+    prompt = seq.prompt_token_ids if end is None else seq.token_ids[:end]
+    v = Sequence(seq.seq_id, prompt, params, seq.seed, None)
+    if end is None:
+        v.token_ids = seq.token_ids + seq.draft[:j]
+    v.num_computed = start
     return v
 
 # -----------------------------------------------------------------------------
-# the numpy definitions of the graph helpers that chain n-gram steps on the GPU (kernels.cu, sections 13 and 14)
+# on the GPU: speculation's steps chained in CUDA graphs, many a run (graph_runner.GraphRunner's, from chained_graph)
+
+class SpecGraph(ChunkGraph):
+    """n-gram speculation chained on the GPU, many steps a run (the host pays once a run, not once a step). A replay
+    drafts (ngram_propose: each row's T = k + 1 queries from its token history, speculation.py's rule), verifies (the
+    forward samples each query) and keeps (spec_accept: the draft to its first miss, then the token sampled there, into
+    the history and a ring). A row that has made all it may is padding."""
+    def __init__(self, chunk_step, backend, kv, n_ctx, stream, pool, proposer, B):
+        self.n_ctx, self.backend, self.kv, self.proposer, T = n_ctx, backend, kv, proposer, proposer.k + 1
+        with stream:
+            self.ring = cp.zeros((MAX_STEPS_PER_RUN, B, T + 2), np.int32)  # per step and row: kept, verified, tokens
+            self.scratch = cp.zeros(B * T, np.int32)  # row lengths no kernel reads (a tiled chunk's)
+        state = dict(history=(B * n_ctx,), length=(B,), remaining=(B,), token_base=(B,), ndraft=(B,), step=(B,))
+        super().__init__(chunk_step, backend, kv, n_ctx, stream, pool, T, T, B,
+                         state={f: (shape, np.int32) for f, shape in state.items()})
+        self.host["logits_idx"][:] = np.arange(B * T)  # every query samples
+
+    def step(self):
+        self.propose()
+        super().step()
+        d, b = self.dev, self.batch
+        self.backend.launch("spec_accept", (-(-self.B // 128),), (128,), (
+            self.tokens, b.input_ids, d["ndraft"], d["history"], d["length"], d["remaining"], d["token_base"],
+            d["step"], self.ring, np.int32(self.B), np.int32(self.T), np.int32(self.n_ctx)))
+
+    def propose(self):  # each row's draft, then its verification chunk
+        self.chunk_inputs(self.proposer.n_min, self.proposer.n_max)
+
+    def chunk_inputs(self, n_min, n_max):
+        d, b = self.dev, self.batch
+        self.backend.launch("ngram_propose", (self.B,), (128,), (
+            d["history"], d["length"], d["remaining"], d["token_base"], d["ndraft"], b.input_ids, b.positions,
+            b.slot_mapping, b.context_lens, b.row_len if b.n_rows else self.scratch, d["token_index"],
+            b.block_tables, np.int32(self.width), np.int32(self.kv.block_size), np.int32(self.n_ctx),
+            np.int32(self.T), np.int32(n_min), np.int32(n_max)))
+
+    def run(self, seqs, sampling, plan):
+        """{sequence: the tokens it kept, in order}: rows loaded, plan.num_steps replays; vLLM's counters counted."""
+        for row, seq in enumerate(seqs):  # history: (B, n_ctx), each row's token ids (past its length: not read)
+            self.host["history"][row * self.n_ctx:row * self.n_ctx + len(seq.token_ids)] = seq.token_ids
+        for f, values in dict(length=[len(seq.token_ids) for seq in seqs], remaining=plan.remaining,
+                              token_base=plan.token_index, ndraft=[], step=[], block_tables=plan.block_tables).items():
+            self.set(f, values)
+        for f in SAMPLING:  # a row's parameters on each of its T queries (padding: a padding row's)
+            self.set(f, np.repeat(getattr(sampling, f), self.T))
+        self.upload()
+        for _ in range(plan.num_steps):
+            self.graph.launch(self.stream)
+        ring, kept = self.ring[:plan.num_steps].get(stream=self.stream), {seq: [] for seq in seqs}
+        for row, seq in enumerate(seqs):
+            for n, verified, *tokens in ring[:, row].tolist():  # a step's tokens kept (0: the row had made all it
+                if n:  # may), drafts verified, the tokens
+                    kept[seq] += tokens[:n]
+                    self.proposer.count(seq, verified, n - 1)
+        return kept
+
+
+class DraftInputs(Graph):
+    """The inputs of a draft model's forward over B rows of Q queries each, sampling each row's last (DraftGraph): its
+    layout and attention plan fixed; tokens, positions and slots written on the GPU (draft_inputs)."""
+    def __init__(self, B, Q, width, min_q, n_ctx, stream):
+        template = batch_fields(types.SimpleNamespace(
+            input_ids=np.zeros(B * Q), positions=np.zeros(B * Q), slot_mapping=np.full(B * Q, -1),
+            cu_seqlens_q=np.arange(0, B * Q + 1, Q), context_lens=np.full(B, Q), block_tables=np.zeros((B, width)),
+            logits_idx=np.arange(Q - 1, B * Q, Q)), min_q)
+        super().__init__({**{f: (a.shape, np.int32) for f, a in template.items()},
+                          **{f: ((B,), t) for f, t in SAMPLING.items()}}, stream)
+        for f, a in template.items():
+            self.set(f, a)
+        self.upload()
+        self.Q, self.batch = Q, device_batch(**{f: self.dev[f] for f in template}, max_row_len=n_ctx)
+
+    def load(self, sampling, block_tables):  # a run's rows (token_index: the GPU's)
+        for f in SAMPLING:
+            self.set(f, getattr(sampling, f))
+        self.set("block_tables", block_tables)
+        self.upload()
+
+
+class DraftGraph(SpecGraph):
+    """A draft model's speculation chained on the GPU, as SpecGraph chains n-gram's. A replay's drafts: the draft model
+    computes each row's last two tokens and samples draft 0, then one forward a draft token, each forward's inputs
+    made from the one before by draft_inputs, which keeps the drafts in the rows' histories; ngram_propose (n_max 0)
+    makes the verification chunk of them. Before a run, the host brings the draft model's K/V up to each row's last
+    two tokens (DraftModelProposer.catch_up); after it, it notes how far they are right (ran)."""
+    def __init__(self, chunk_step, backend, kv, n_ctx, stream, pool, proposer, B):
+        width, self.draft_step = kv.blocks_needed(n_ctx + proposer.k + 1), proposer.draft.runner.decode_step
+        self.draft_inputs = [DraftInputs(B, Q, width, backend.tile_min_q, n_ctx, stream) for Q in (2, 1)]
+        super().__init__(chunk_step, backend, kv, n_ctx, stream, pool, proposer, B)
+
+    def propose(self):
+        tokens = self.tokens  # (what the first call would store: nothing)
+        for j in range(self.T):  # forwards 0 .. k - 1, then the last draft token stored
+            inputs = self.draft_inputs[min(j, 1)] if j < self.T - 1 else None
+            self._draft_inputs(j, tokens, inputs)
+            if inputs is not None:
+                tokens = self.draft_step(inputs.batch, inputs.dev)
+        self.chunk_inputs(0, 0)
+
+    def _draft_inputs(self, j, tokens, inputs):
+        d, b = self.dev, inputs.batch if inputs else self.batch  # (the last call writes no inputs)
+        Q = inputs.Q if inputs else 0
+        self.backend.launch("draft_inputs", (-(-self.B // 128),), (128,), (
+            tokens, d["history"], d["length"], d["remaining"], d["token_base"], b.input_ids, b.positions,
+            b.slot_mapping, b.context_lens, b.row_len if b.n_rows else self.scratch,
+            inputs.dev["token_index"] if inputs else self.scratch, b.block_tables, np.int32(self.width),
+            np.int32(self.kv.block_size), np.int32(self.n_ctx), np.int32(self.T), np.int32(j), np.int32(Q),
+            np.int32(self.B)))
+
+    def run(self, seqs, sampling, plan):
+        self.proposer.catch_up(seqs)
+        for inputs in self.draft_inputs:
+            inputs.load(sampling, plan.block_tables)
+        kept = super().run(seqs, sampling, plan)
+        self.proposer.ran(kept)
+        return kept
+
+
+# -----------------------------------------------------------------------------
+# the numpy definitions of the graph helpers that chain speculation steps on the GPU (kernels.cu, sections 13-15)
 
 
 def ngram_propose(history, length, remaining, token_base, ndraft, input_ids, positions, slot_mapping, context_lens,
                   row_len, token_index, block_tables, width, block_size, n_ctx, T, n_min, n_max):
-    """kernels.cu's ngram_propose, a row at a time: the row's draft by NgramProposer.propose's rule, then its chunk of
-    T queries: last token, draft, pads at the last real position; a finished row is padding."""
-    j, tables = np.arange(T), block_tables.reshape(-1, width)
+    """kernels.cu's ngram_propose, a row at a time: the row's draft by NgramProposer.propose's rule (n_max 0: the
+    draft model's, in the history after the row's tokens), then its chunk of T queries: last token, draft, pads at the
+    last real position; a finished row is padding."""
+    j, tables, drafted = np.arange(T), block_tables.reshape(-1, width), n_max == 0  # (drafted: a draft model's draft)
     for b in range(len(length)):
         L, left, rows = int(length[b]), int(remaining[b]), slice(b * T, (b + 1) * T)
         ids = history[b * n_ctx:(b + 1) * n_ctx]
         room = max(0, min(T - 1, left - 1))
         # (m, e): the m tokens ending at an earlier e match the last m (n_max at most); the longest, then the latest
         m, e = max(((next(i for i in range(n_max + 1) if i == n_max or i > e or ids[e - i] != ids[L - 1 - i]), e)
-                    for e in range(L - 1 if room else 0)), default=(0, 0))
-        nd = room if m >= n_min else 0
-        draft = [ids[e + 1 + i % (L - 1 - e)] for i in range(nd)]
+                    for e in range(L - 1 if room and not drafted else 0)), default=(0, 0))
+        nd = room if drafted or m >= n_min else 0
+        draft = list(ids[L:L + nd]) if drafted else [ids[e + 1 + i % (L - 1 - e)] for i in range(nd)]
         n = L if left > 0 else 1  # what the row's first query attends to (a finished row: one token of padding)
         pos = np.where(left > 0, L - 1 + np.minimum(j, nd), 0)
         input_ids[rows] = ([ids[L - 1]] + draft + [0] * (T - 1 - nd)) if left > 0 else 0
@@ -278,3 +436,25 @@ def spec_accept(tokens, input_ids, ndraft, history, length, remaining, token_bas
         entry[:2], entry[2:3 + a] = (a + 1, nd), tokens[b * T:b * T + a + 1]
         history[b * n_ctx + L:b * n_ctx + L + a + 1] = tokens[b * T:b * T + a + 1]
         length[b], remaining[b], token_base[b] = L + a + 1, remaining[b] - a - 1, token_base[b] + a + 1
+
+
+def draft_inputs(tokens, history, length, remaining, token_base, input_ids, positions, slot_mapping, context_lens,
+                 row_len, token_index, block_tables, width, block_size, n_ctx, T, j, Q, B):
+    """kernels.cu's draft_inputs, a row at a time: the last draft token stored in the history, then the inputs of
+    the draft model's forward j (Q queries a row: its last two tokens at j 0, draft j - 1 after)."""
+    tables = block_tables.reshape(-1, width)
+    for b in range(B):
+        L, left = int(length[b]), int(remaining[b])
+        room = max(0, min(T - 1, left - 1))
+        if 0 < j <= room:
+            history[b * n_ctx + L + j - 1] = tokens[b]
+        if Q == 0:
+            continue
+        for q in range(Q):
+            i, pos = b * Q + q, L - Q + j + q
+            real = j < room and pos >= 0
+            input_ids[i] = history[b * n_ctx + pos] if real else 0
+            positions[i] = pos if real else 0
+            slot_mapping[i] = tables[b, pos // block_size] * block_size + pos % block_size if real else -1
+            row_len[i] = pos + 1 if real else q + 1
+        token_index[b], context_lens[b] = token_base[b] + j, L + j if j < room else Q
