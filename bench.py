@@ -357,6 +357,7 @@ def bench_gpu(path, repeats):
     for line in text_model.speculation_lessons(paths, repeats):
         lessons[f"on the trained model, speculative decoding: {line.split(':')[0]}"] = line.split(": ", 1)[1]
     lessons["on the trained model, what the weights decide"] = text_model.quality_lessons(paths)
+    lessons["on the trained model, fp16 at long context"] = text_model.long_context_lesson(paths)
     return rows, lessons
 
 

@@ -21,8 +21,8 @@ import pytest
 import torch
 
 import nanoinfer as ni
-from conftest import (ALL_DEVICES, CPU, EOT, EXACT_DEVICES, N_NEW, SAMPLED, TOL, Driver, assert_idle, check_kv,
-                      finish_by_steps, greedy, hf_greedy, hf_logits, make_llm, random_ids, rel_err, solo,
+from conftest import (ALL_DEVICES, CPU, EOT, EXACT_DEVICES, N_NEW, NO_GPU, SAMPLED, TOL, Driver, assert_idle,
+                      check_kv, finish_by_steps, greedy, hf_greedy, hf_logits, make_llm, random_ids, rel_err, solo,
                       tokens, write_checkpoint)
 from nanoinfer import SamplingParams
 from scheduler import Sequence
@@ -240,6 +240,18 @@ def test_prefix_caching_changes_no_output(tiny, dev):
     small.generate([random_ids(50, 99)], greedy(8), use_tqdm=False)
     again = small.generate([prompts[0]], greedy(8), use_tqdm=False)[0]
     assert again.num_cached_tokens == 0 and again.outputs[0].token_ids == first.outputs[0].token_ids
+
+
+@NO_GPU
+def test_fp16_long_context_within_transformers_fp16(loud):
+    """fp16 at long context, where rounding adds up: greedy decoding after 960-token prompts on 24 layers with huge
+    residual channels (text_model.fp16_long_context). Each token's log-prob against transformers' float64 on the same
+    tokens: the largest error within twice transformers' own fp16 error (on its own greedy tokens) plus 1e-3; and no
+    choice further below the reference's best logit than transformers' fp16 choices are, plus 0.05."""
+    from text_model import fp16_long_context
+    worst = fp16_long_context(loud.path, [random_ids(960, seed) for seed in (1, 2)])
+    (gap, err), (hf_gap, hf_err) = worst["ours"], worst["transformers"]
+    assert err <= 2 * hf_err + 1e-3 and gap <= hf_gap + 0.05, worst
 
 
 def test_int8_quality_against_transformers(tiny, dev):

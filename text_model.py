@@ -192,5 +192,52 @@ def quality_lessons(paths, windows=8, n_new=256, device="cuda"):
             f"{np.mean(nll['fp32']):.2f})")
 
 
+def fp16_long_context(path, prompts, n_new=32, device="cuda"):
+    """fp16's error where rounding adds up: greedy decoding after long prompts, ours and transformers' fp16 (each on
+    its own tokens), against transformers in float64 on the same tokens. {who: (the largest gap between the
+    reference's best logit and the chosen token's, the largest log-prob error)}."""
+    import torch
+    from transformers import GPT2LMHeadModel
+    from nanoinfer import LLM
+    from sampling_params import SamplingParams
+    llm = LLM(str(path), device=device, dtype="float16", num_kv_tokens=len(prompts) * (len(prompts[0]) + n_new + 64))
+    runs = {"ours": [], "transformers": []}
+    for out in llm.generate(prompts, SamplingParams(max_tokens=n_new, temperature=0, ignore_eos=True, logprobs=0),
+                            use_tqdm=False):
+        got = out.outputs[0]
+        runs["ours"].append((got.token_ids, [d[t].logprob for d, t in zip(got.logprobs, got.token_ids)]))
+    del llm
+    model = {dtype: GPT2LMHeadModel.from_pretrained(path, torch_dtype=dtype).to(device).eval()
+             for dtype in (torch.float16, torch.float64)}
+    worst = {}
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p], device=device)
+            new = model[torch.float16].generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n_new,
+                                                do_sample=False, eos_token_id=None, pad_token_id=EOT)[0, len(p):]
+            lp = torch.log_softmax(model[torch.float16](torch.cat([ids[0], new])[None]).logits[0, len(p) - 1:-1], -1)
+            runs["transformers"].append((new.tolist(), lp[torch.arange(n_new), new].double().tolist()))
+        for who, outs in runs.items():
+            gap = err = 0.0
+            for p, (new, lps) in zip(prompts, outs):
+                ref = model[torch.float64](torch.tensor([p + new], device=device)).logits[0, len(p) - 1:-1]
+                chosen = torch.arange(len(new)), torch.tensor(new)
+                gap = max(gap, (ref.max(-1).values - ref[chosen]).max().item())
+                ref_lp = torch.log_softmax(ref, -1)[chosen].cpu().numpy()
+                err = max(err, float(np.abs(np.array(lps) - ref_lp).max()))
+            worst[who] = (gap, err)
+    return worst
+
+
+def long_context_lesson(paths, n_prompts=4, length=960, n_new=32):
+    """fp16_long_context on the trained target, prompts of held-out text."""
+    test = tokens(corpus(held_out=True))
+    prompts = [test[s:s + length].tolist() for s in np.linspace(0, len(test) - length, n_prompts).astype(int)]
+    worst = fp16_long_context(paths["target"], prompts, n_new)
+    return (f"fp16 after {length}-token prompts ({n_prompts} x {n_new} greedy tokens) against float64: largest gap "
+            "below the best logit, largest log-prob error: " +
+            ", ".join(f"{who} {gap:.3f} / {err:.4f}" for who, (gap, err) in worst.items()))
+
+
 if __name__ == "__main__":
     make_models()
