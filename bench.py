@@ -47,6 +47,11 @@ def repeated(llm, prompts, max_tokens, repeats):
     return float(np.median(runs)), min(runs), max(runs)
 
 
+def spread(runs):
+    """A number that swings between runs: the median of the repeats, their range beside it."""
+    return f"{np.median(runs):,.1f}" + (f" ({min(runs):,.0f}-{max(runs):,.0f})" if len(runs) > 1 else "")
+
+
 def a_against_b(run_a, run_b, workloads, repeats):
     """Two ways of the same work, run_x(prompts, max_tokens) -> tokens/s, alternating (each first in every other
     round) so that drifts and warm caches hit both, on each (label, prompts, max_tokens) of workloads: medians and
@@ -59,7 +64,7 @@ def a_against_b(run_a, run_b, workloads, repeats):
             for times, run in pairs[::-1] if i % 2 else pairs:
                 times.append(run(prompts, max_tokens))
         a, b = map(np.median, runs)
-        results.append(f"{label} {a:,.1f} against {b:,.1f} ({a / b:.1%})")
+        results.append(f"{label} {spread(runs[0])} against {spread(runs[1])} ({a / b:.1%})")
     return "; ".join(results)
 
 
@@ -276,8 +281,9 @@ def bench_gpu(path, repeats):
         f"{(first - t0) * 1e3:.1f} / {(time.perf_counter() - t0) * 1e3:.1f}"
     sweep = []  # throughput against per-token latency
     for B in (1, 4, 16, 64, 256):
-        rate, dt = time_generate(llm, [rng.integers(0, 50000, 64).tolist() for _ in range(B)], 128)
-        sweep.append(f"B={B}: {rate:,.0f} tok/s at {dt / 128 * 1e3:.2f} ms/token")
+        batch = [rng.integers(0, 50000, 64).tolist() for _ in range(B)]
+        rates = [time_generate(llm, batch, 128)[0] for _ in range(repeats)]
+        sweep.append(f"B={B}: {spread(rates)} tok/s at {B / np.median(rates) * 1e3:.2f} ms/token")
     lessons["batch sweep (prompt 64 -> 128): throughput vs per-token latency"] = "; ".join(sweep)
     mixed = np.random.default_rng(0)  # 256 requests, 64..512 in and out: all at once, then continuous vs static
     prompts = [mixed.integers(0, 50000, int(p)).tolist() for p in mixed.integers(64, 513, 256)]

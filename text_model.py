@@ -125,7 +125,8 @@ def speculation_lessons(paths, repeats, n_new=256, device="cuda"):
     """n-gram (k 5) and the trained draft (k 4) against plain decoding on each workload, single stream, alternating
     in one process: tok/s and their ratio, the acceptance rate, tokens a target step, tokens identical to plain."""
     from nanoinfer import LLM
-    plain = LLM(str(paths["target"]), device=device, num_kv_tokens=8192)
+    engine = dict(device=device, num_kv_tokens=8192, max_num_seqs=8)  # single stream: few graphs to capture
+    plain = LLM(str(paths["target"]), **engine)
     specs = {"n-gram k 5": {"method": "ngram", "num_speculative_tokens": 5},
              "draft model k 4": {"model": str(paths["draft"]), "num_speculative_tokens": 4}}
     lines = []
@@ -134,7 +135,7 @@ def speculation_lessons(paths, repeats, n_new=256, device="cuda"):
         what = f"copied {np.mean([a == b for a, b in zip(want, copy)]):.0%} of the file" if copy else \
             f"{repeats_itself(prompt + want):.0%} of its 4-grams seen before"
         for name, spec in specs.items():
-            llm = LLM(str(paths["target"]), device=device, num_kv_tokens=8192, speculative_config=spec)
+            llm = LLM(str(paths["target"]), speculative_config=spec, **engine)
             times, same = {id(plain): [], id(llm): []}, True
             for i in range(2 * repeats):
                 engine = (plain, llm)[(i + i // 2) % 2]  # alternating, each first in every other round
@@ -144,7 +145,9 @@ def speculation_lessons(paths, repeats, n_new=256, device="cuda"):
                 same = same and got == want
             a, b, s = np.median(times[id(llm)]), np.median(times[id(plain)]), llm.proposer
             steps = repeats * n_new - s.accepted  # target steps: every token not a kept draft took one
-            lines.append(f"{label} ({what}), {name}: {a:,.0f} against {b:,.0f} tok/s ({a / b:.2f}x), acceptance "
+            ranges = [f"{min(t):,.0f}-{max(t):,.0f}" for t in times.values()]
+            lines.append(f"{label} ({what}), {name}: {a:,.0f} against {b:,.0f} tok/s ({a / b:.2f}x; runs "
+                         f"{ranges[1]} against {ranges[0]}), acceptance "
                          f"{s.accepted / max(s.proposed, 1):.0%}, {repeats * n_new / steps:.2f} tokens a target step, "
                          f"tokens {'identical to' if same else 'NOT'} plain decoding's")
             del llm
