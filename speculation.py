@@ -15,8 +15,8 @@ drawn by the same race keyed by (seed, token index, token id), at the same index
 before it, with the penalties, bias and bans plain decoding gives that position (sampling_params.penalties). A
 rejected position's KV is never read: the next step writes that slot again. So a draft changes only the speed.
 
-On the GPU, n-gram steps chain without the host (graph_runner.SpecGraph: ngram_propose and spec_accept, whose numpy
-definitions close this file); the host drafts for the requests the graphs do not take, and for a draft model.
+On the GPU, both ways chain their steps without the host, many a run (SpecGraph, DraftGraph: graph_runner replays
+them; their kernels' numpy definitions close this file); the host drafts only for the requests the graphs do not take.
 """
 import dataclasses
 import types
@@ -281,7 +281,7 @@ def view(seq, start, j, end=None):
 
 class SpecGraph(ChunkGraph):
     """n-gram speculation chained on the GPU, many steps a run (the host pays once a run, not once a step). A replay
-    drafts (ngram_propose: each row's T = k + 1 queries from its token history, speculation.py's rule), verifies (the
+    drafts (ngram_propose: each row's T = k + 1 queries from its token history, NgramProposer's rule), verifies (the
     forward samples each query) and keeps (spec_accept: the draft to its first miss, then the token sampled there, into
     the history and a ring). A row that has made all it may is padding."""
     def __init__(self, chunk_step, backend, kv, n_ctx, stream, pool, proposer, B):
