@@ -1468,7 +1468,7 @@ extern "C" __global__ void decode_advance(const int* tokens, int* input_ids, int
 }
 
 // 13. ngram_propose: a speculating graph step's first kernel (n-gram speculation chained on the GPU: SpecGraph in
-// graph_runner.py; speculation.NgramProposer.propose is the same rule on the host). Block b drafts for row b from its
+// speculation.py; NgramProposer.propose is the same rule on the host). Block b drafts for row b from its
 // token history: the latest end e of the longest earlier match of its last tokens (n_min..n_max of them), and what
 // followed it, copied LZ77-style (draft i = ids[e + 1 + i % d], d = L - 1 - e: a match near the end repeats as a loop).
 // Then the row's verification chunk of T = k + 1 queries: its last token and the draft at positions L - 1 + j, the rest
@@ -1540,7 +1540,7 @@ extern "C" __global__ void spec_accept(const int* tokens, const int* input_ids, 
     token_base[b] += a + 1;
 }
 
-// 15. draft_inputs: a draft model's steps chained on the GPU (DraftGraph in graph_runner.py), launched before each of
+// 15. draft_inputs: a draft model's steps chained on the GPU (DraftGraph in speculation.py), launched before each of
 // its k forwards (j = 0 .. k - 1) and once after the last (Q 0). Row b (a thread) first stores the token the forward
 // before sampled (tokens) as draft j - 1, in its history after its L tokens (ngram_propose with n_max 0 reads it
 // there). Then forward j's inputs, Q queries a row: at j = 0 its last two tokens (positions L - 2 and L - 1: the draft
