@@ -150,7 +150,19 @@ class DecodeGraph(Graph):
         return run
 
 
-class ChunkGraph(Graph):
+class BatchInputs(Graph):
+    """A batch's inputs in one buffer: its fields (template: what they hold at first; their sizes never change), its
+    `sampled` rows' sampling parameters, any state of the graph's own; `batch`, the device batch over them."""
+    def __init__(self, template, sampled, max_row_len, stream, state=None):
+        super().__init__({**{f: (a.shape, np.int32) for f, a in template.items()},
+                          **{f: ((sampled,), t) for f, t in SAMPLING.items()}, **(state or {})}, stream)
+        for f, a in template.items():
+            self.set(f, a)
+        self.upload()
+        self.batch = device_batch(**{f: self.dev[f] for f in template}, max_row_len=max_row_len)
+
+
+class ChunkGraph(BatchInputs):
     """Up to B sequences' chunks of up to T tokens, sampling up to `samples` rows of each, as one CUDA graph (eager,
     their ~100 launches from Python cost more than GPT-2's GPU work): a lone prompt's prefill (B 1, samples 1), or
     speculation's drafts to verify (samples T). A chunk is padded to T tokens: a pad computes at its sequence's last
@@ -162,13 +174,8 @@ class ChunkGraph(Graph):
         template = batch_fields(self.padded(types.SimpleNamespace(  # a padded batch's fields: their sizes never change
             input_ids=[0], positions=[0], slot_mapping=[-1], context_lens=[1], block_tables=np.zeros((B, self.width)),
             logits_idx=[0], cu_seqlens_q=[0, 1]))[0], self.min_q)
-        super().__init__({**{f: (a.shape, np.int32) for f, a in template.items()},  # then the sampled rows' sampling
-                          **{f: ((B * samples,), t) for f, t in SAMPLING.items()}, **(state or {})}, stream)
-        for f, a in template.items():
-            self.set(f, a)
-        self.upload()
+        super().__init__(template, B * samples, n_ctx + T, stream, state)
         with stream:
-            self.batch = device_batch(**{f: self.dev[f] for f in template}, max_row_len=n_ctx + T)
             self.tokens = cp.zeros(B * samples, np.int32)  # where every replay leaves the sampled tokens (no pool)
             self.capture(backend, pool, self.step)
 

@@ -24,8 +24,8 @@ import types
 import numpy as np
 
 from checkpoint import Tokenizer, load_config, load_weights, resolve_model
-from cuda_backend import batch_fields, device_batch
-from graph_runner import MAX_STEPS_PER_RUN, SAMPLING, ChunkGraph, Graph
+from cuda_backend import batch_fields
+from graph_runner import MAX_STEPS_PER_RUN, SAMPLING, BatchInputs, ChunkGraph
 from nanoinfer import GPT, ModelRunner, make_batch
 from scheduler import Scheduler, Sequence
 
@@ -224,8 +224,7 @@ class DraftModelProposer(Proposer):
     def ran(self, kept):
         """After a DraftGraph run: the draft K/V of each sequence right for all but the last two of its tokens."""
         for seq, tokens in kept.items():
-            n = len(seq.token_ids) + len(tokens) - 2
-            self.computed[seq.seq_id] = (n, tuple(self.kv.block_tables[seq.seq_id][:self.kv.blocks_needed(n)]))
+            self._computed(seq, len(seq.token_ids) + len(tokens) - 2)
 
     def fill(self, seqs):
         """Each sequence's draft: a forward over its tokens the draft model has not seen, then one a draft token."""
@@ -243,8 +242,11 @@ class DraftModelProposer(Proposer):
                 made[seq] += n
         for s in seqs:  # the last draft token is never fed
             n = len(s.token_ids) + len(s.draft) - 1
-            self.computed[s.seq_id] = (n, tuple(self.kv.block_tables[s.seq_id][:self.kv.blocks_needed(n)]))
+            self._computed(s, n)
             self.fed[s.seq_id] = (len(s.token_ids), s.draft[:-1])
+
+    def _computed(self, seq, n):  # seq's first n tokens have right draft K/V, in these blocks
+        self.computed[seq.seq_id] = (n, tuple(self.kv.block_tables[seq.seq_id][:self.kv.blocks_needed(n)]))
 
     def _forget_gone(self):
         tables = self.kv.block_tables
@@ -334,26 +336,13 @@ class SpecGraph(ChunkGraph):
         return kept
 
 
-class DraftInputs(Graph):
-    """The inputs of a draft model's forward over B rows of Q queries each, sampling each row's last (DraftGraph): its
+def draft_forward_inputs(B, Q, width, min_q, n_ctx, stream):
+    """The inputs of a draft model's forward over B rows of Q queries each, sampling each row's last (DraftGraph): their
     layout and attention plan fixed; tokens, positions and slots written on the GPU (draft_inputs)."""
-    def __init__(self, B, Q, width, min_q, n_ctx, stream):
-        template = batch_fields(types.SimpleNamespace(
-            input_ids=np.zeros(B * Q), positions=np.zeros(B * Q), slot_mapping=np.full(B * Q, -1),
-            cu_seqlens_q=np.arange(0, B * Q + 1, Q), context_lens=np.full(B, Q), block_tables=np.zeros((B, width)),
-            logits_idx=np.arange(Q - 1, B * Q, Q)), min_q)
-        super().__init__({**{f: (a.shape, np.int32) for f, a in template.items()},
-                          **{f: ((B,), t) for f, t in SAMPLING.items()}}, stream)
-        for f, a in template.items():
-            self.set(f, a)
-        self.upload()
-        self.Q, self.batch = Q, device_batch(**{f: self.dev[f] for f in template}, max_row_len=n_ctx)
-
-    def load(self, sampling, block_tables):  # a run's rows (token_index: the GPU's)
-        for f in SAMPLING:
-            self.set(f, getattr(sampling, f))
-        self.set("block_tables", block_tables)
-        self.upload()
+    return BatchInputs(batch_fields(types.SimpleNamespace(
+        input_ids=np.zeros(B * Q), positions=np.zeros(B * Q), slot_mapping=np.full(B * Q, -1),
+        cu_seqlens_q=np.arange(0, B * Q + 1, Q), context_lens=np.full(B, Q), block_tables=np.zeros((B, width)),
+        logits_idx=np.arange(Q - 1, B * Q, Q)), min_q), B, n_ctx, stream)
 
 
 class DraftGraph(SpecGraph):
@@ -364,32 +353,30 @@ class DraftGraph(SpecGraph):
     two tokens (DraftModelProposer.catch_up); after it, it notes how far they are right (ran)."""
     def __init__(self, chunk_step, backend, kv, n_ctx, stream, pool, proposer, B):
         width, self.draft_step = kv.blocks_needed(n_ctx + proposer.k + 1), proposer.draft.runner.decode_step
-        self.draft_inputs = [DraftInputs(B, Q, width, backend.tile_min_q, n_ctx, stream) for Q in (2, 1)]
+        self.forward_inputs = {Q: draft_forward_inputs(B, Q, width, backend.tile_min_q, n_ctx, stream) for Q in (2, 1)}
         super().__init__(chunk_step, backend, kv, n_ctx, stream, pool, proposer, B)
 
     def propose(self):
         tokens = self.tokens  # (what the first call would store: nothing)
-        for j in range(self.T):  # forwards 0 .. k - 1, then the last draft token stored
-            inputs = self.draft_inputs[min(j, 1)] if j < self.T - 1 else None
-            self._draft_inputs(j, tokens, inputs)
-            if inputs is not None:
-                tokens = self.draft_step(inputs.batch, inputs.dev)
+        for j, Q in enumerate([2] + [1] * (self.T - 2) + [0]):  # forwards 0 .. k - 1, then the last draft stored
+            inputs = self.forward_inputs[max(Q, 1)]  # (Q 0: only the store, no inputs written)
+            d, b = self.dev, inputs.batch
+            self.backend.launch("draft_inputs", (-(-self.B // 128),), (128,), (
+                tokens, d["history"], d["length"], d["remaining"], d["token_base"], b.input_ids, b.positions,
+                b.slot_mapping, b.context_lens, b.row_len if b.n_rows else self.scratch, inputs.dev["token_index"],
+                b.block_tables, np.int32(self.width), np.int32(self.kv.block_size), np.int32(self.n_ctx),
+                np.int32(self.T), np.int32(j), np.int32(Q), np.int32(self.B)))
+            if Q:
+                tokens = self.draft_step(b, inputs.dev)
         self.chunk_inputs(0, 0)
-
-    def _draft_inputs(self, j, tokens, inputs):
-        d, b = self.dev, inputs.batch if inputs else self.batch  # (the last call writes no inputs)
-        Q = inputs.Q if inputs else 0
-        self.backend.launch("draft_inputs", (-(-self.B // 128),), (128,), (
-            tokens, d["history"], d["length"], d["remaining"], d["token_base"], b.input_ids, b.positions,
-            b.slot_mapping, b.context_lens, b.row_len if b.n_rows else self.scratch,
-            inputs.dev["token_index"] if inputs else self.scratch, b.block_tables, np.int32(self.width),
-            np.int32(self.kv.block_size), np.int32(self.n_ctx), np.int32(self.T), np.int32(j), np.int32(Q),
-            np.int32(self.B)))
 
     def run(self, seqs, sampling, plan):
         self.proposer.catch_up(seqs)
-        for inputs in self.draft_inputs:
-            inputs.load(sampling, plan.block_tables)
+        for inputs in self.forward_inputs.values():  # the run's rows (token_index: the GPU's)
+            for f in SAMPLING:
+                inputs.set(f, getattr(sampling, f))
+            inputs.set("block_tables", plan.block_tables)
+            inputs.upload()
         kept = super().run(seqs, sampling, plan)
         self.proposer.ran(kept)
         return kept
