@@ -417,8 +417,8 @@ def main():
           f"{'target':>9}  met  anchor")
     for r in rows:
         anchor = f"{r['anchor']:11,.1f}" if r["anchor"] else f"{'-':>11}"
-        spread = f"{r['low']:,.0f}-{r['high']:,.0f}"
-        print(f"{r['workload']:44} {r['ours']:11,.1f} {spread:>19} {anchor}  {r['target']:9,.1f}  "
+        runs = f"{r['low']:,.0f}-{r['high']:,.0f}"
+        print(f"{r['workload']:44} {r['ours']:11,.1f} {runs:>19} {anchor}  {r['target']:9,.1f}  "
               f"{'yes' if r['ours'] >= r['target'] else 'NO ':3}  {r['anchor_name']}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1, default=float))
