@@ -381,7 +381,7 @@ class ModelRunner:
             return {}
         if self.graphs is None:
             return self.eager(batch)
-        if self.graphs.takes(batch):  # decode steps, a lone prompt's prefill (not ~100 launches), drafts to verify
+        if self.graphs.takes(batch):  # decodes (chained speculation too), a lone prompt's prefill
             sampled = self.graphs.run(batch, sampling_arrays(sampled_rows(batch)))
             return {seq: Sampled(tokens) for seq, tokens in sampled.items()}
         with self.graphs.eager():  # on the graphs' stream, after everything they launched
