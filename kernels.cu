@@ -16,10 +16,11 @@
 //   8. matmul_tc         the tiled tensor-core matmul on wgmma (prefill, decode batches of 9 and more)
 //   9. attention_prefill causal FlashAttention-2 over the paged KV cache, on mma.sync
 //  10. penalize          the logits processors before sampling: repetition, presence, frequency penalties, bans
-//  11. sample           one token per row: greedy, or an exponential race over the kept tokens
+//  11. sample            one token per row: greedy, or an exponential race over the kept tokens
 //  12. decode_advance    CUDA-graph helper: the next decode step's inputs, made on the GPU
 //  13. ngram_propose     CUDA-graph helper: each row's n-gram draft and its verification chunk's inputs
 //  14. spec_accept       CUDA-graph helper: the drafts a verification kept, into the token history
+//  15. draft_inputs      CUDA-graph helper: a draft model's next forward's inputs, made on the GPU
 
 #include <cuda_fp16.h>
 #define NEG_INF __int_as_float(0xff800000)
@@ -38,11 +39,10 @@ template <> __device__ __forceinline__ half from_float<half>(float x) { return _
 __device__ __forceinline__ uint4 load16(const void* p) { return *reinterpret_cast<const uint4*>(p); }
 __device__ __forceinline__ void store16(void* p, uint4 v) { *reinterpret_cast<uint4*>(p) = v; }
 
-// Programmatic dependent launch (sm_90): in a CUDA graph each kernel may start while the one before still runs
-// (CudaBackend.launch). Until wait_for_inputs() it may read only what no kernel of the step writes (the weights); the
-// call returns once the kernels before have finished, their writes visible, and lets the next kernel's blocks onto the
-// SMs to load their weights meanwhile (no-ops in a plain launch). Inputs the kernel before writes are never
-// __restrict__: the compiler would read them via ld.global.nc, which returned stale rows. Weights are __restrict__.
+// Programmatic dependent launch (sm_90, CudaBackend.launch): in a CUDA graph a kernel may start while the one before
+// still runs, reading only weights (no kernel of the step writes them) until wait_for_inputs(), which waits for the
+// kernels before (writes visible) and lets the next kernel's blocks onto the SMs to load weights meanwhile; no-ops in a
+// plain launch. Inputs the kernel before writes are never __restrict__ (ld.global.nc may read them stale); weights are.
 __device__ __forceinline__ void wait_for_inputs() {
     asm volatile("griddepcontrol.wait;" ::: "memory");
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
@@ -68,11 +68,10 @@ template <typename T, typename Op> __device__ T block_reduce(T v, Op op) {  // e
 }
 template <typename T> __device__ T block_sum(T v) { return block_reduce(v, [](T a, T b) { return a + b; }); }
 
-// Split-K (and split-context attention): the blocks of a group each leave a partial result in global memory
-// and count themselves in; the last to arrive (a counter per group, reset for the next launch) merges them, reading
-// them from L2 (__ldcg). One acquire-release atomic by thread 0 orders it all: the barrier before it puts the block's
-// writes ahead of its release, and the barrier after puts the last block's reads behind its acquire. (A fence in
-// every thread, then a plain atomic, costs a round trip to L2 more, in every block.)
+// Split-K (and split-context attention): each block of a group leaves a partial result in global memory and counts
+// itself in; the last to arrive (a counter per group, reset for the next launch) merges them from L2 (__ldcg). One
+// acq_rel atomic by thread 0 orders it all: the barrier before it puts the block's writes ahead of its release, the
+// barrier after puts the last block's reads behind its acquire (a fence in every thread costs another L2 round trip).
 __device__ __forceinline__ bool last_to_arrive(int* counter, int blocks) {  // every thread of the block calls it
     __shared__ int last;
     __syncthreads();
@@ -90,10 +89,9 @@ __device__ __forceinline__ float gelu_tanh(float x) {
     return 0.5f * x * (1.f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x)));
 }
 
-// the fused matmul epilogue, in fp32 before the single rounding to the output type; scale: int8 weights' (W8A16), the
-// output channel's, applied once to its dot product. Its operands of output (m, n) are loaded first (1, 0 and 0 where
-// absent: exact, zeros' signs aside), so that a kernel may load many outputs' at once (matmul_tc); scale and bias are
-// two roundings, as in numpy, never one FMA.
+// the fused matmul epilogue, fp32 until the one rounding to the output type; scale: int8 weights' (W8A16) per output
+// channel, applied once to its dot product. Output (m, n)'s operands load first (1, 0, 0 if absent: exact, zeros' signs
+// aside), so a kernel may load many at once (matmul_tc); scale and bias round twice, as numpy (no FMA).
 struct EpilogueOperands { float scale, bias, residual; };
 template <typename T>
 __device__ __forceinline__ EpilogueOperands epilogue_operands(const float* scale, const T* bias, const T* residual,
@@ -364,13 +362,11 @@ __global__ void cache_write(const T* k, const T* v, int k_stride, int v_stride, 
     }
 }
 
-// 3. layernorm: y = (x - mean) / sqrt(var + eps) * w + b per row, for prefill and decode batches (one row's decode
-// folds it into matmul_gemv). Memory-bound: 2*T*C*sizeof(T) bytes (read x, write y), ~8 FLOPs per element, and at
-// a decode step's few rows bound by latency alone. So a block a row, each thread one 16-byte vector of it (C <= 2048:
-// 256 threads in fp16): a row is one load a thread, its statistics two block-wide sums (the mean, then the centred sum
-// of squares: no cancellation), and the gain and bias wait in registers, loaded before the inputs (no kernel writes
-// them). A prefill's thousands of rows: each block takes every gridDim-th row, the next row's x on its way during
-// this one's sums.
+// 3. layernorm: y = (x - mean) / sqrt(var + eps) * w + b per row, for prefill and decode batches (matmul_gemv fuses it
+// for one row). Memory-bound: 2*T*C*sizeof(T) bytes, ~8 FLOPs per element; a decode's few rows, latency-bound. So a
+// block a row, a 16-byte vector a thread (C <= 2048: 256 threads in fp16), statistics in two block-wide sums (the mean,
+// then the centred sum of squares: no cancellation); gain and bias wait in registers, loaded before the wait. Prefill's
+// thousands of rows: a block takes every gridDim-th, loading the next one's x during the sums.
 template <typename T>
 __global__ void __launch_bounds__(512) layernorm(const T* x, const T* w, const T* b, T* y, int rows, int C, float eps) {
     constexpr int VEC = 16 / sizeof(T);
@@ -445,14 +441,13 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
 
 // 5. attention_decode: single query rows (decode; all rows on the fp32 path), split along the context (flash-decoding):
 // block (row, head, split) takes the row's keys [split*chunk, ...). Memory-bound: 2*len*64*sizeof(T) bytes (K, V) for
-// 4*len*64 FLOPs per (row, head). Lanes work in groups of 64/VEC (8 for fp16), a key per group, a 16-byte chunk of K
-// and V per lane; the groups' running max, sum and output merge across the warp, then the 4 warps. For bytes in
-// flight each thread cp.asyncs its own chunks of the next 7 key tiles (no registers held), read by it alone: no
-// barrier. Several splits (so 12 heads of one sequence fill 132 SMs) each write normalised output and log-sum-exp; the
-// last to arrive combines: out = sum_s exp2(lse_s - max) * o_s / sum_s exp2(lse_s - max). The cache write rides
-// along: this step's keys of the row's sequence (its own, len - 1, and those of the sequence's earlier rows: a
-// verification chunk's, a short prompt chunk's) come from k_new / v_new, each row storing its own at
-// slot_mapping[row_q[r]]; without k_new (cache_write ran first) from the cache, after the wait.
+// 4*len*64 FLOPs per (row, head). Lane groups of 64/VEC (8 in fp16) take a key each, a lane a 16-byte chunk of its K
+// and V; the groups' running max, sum and output merge across the warp, then the 4 warps. Each thread cp.asyncs its own
+// chunks of the next 7 key tiles (in flight, no registers held), read by it alone: no barrier. Several splits (so one
+// sequence's 12 heads fill 132 SMs) each write normalised output and log-sum-exp; the last to arrive combines:
+// out = sum_s w_s o_s / sum_s w_s, w_s = exp2(lse_s - max). The cache write rides along: this step's keys of its
+// sequence (its own, len - 1, and its earlier rows': a verification or short prompt chunk's) come from k_new / v_new,
+// each row storing its own; without k_new (cache_write ran first), from the cache after the wait.
 template <typename T>
 __global__ void __launch_bounds__(128) attention_decode(
     const T* q, int q_stride, const T* k_new, const T* v_new, int kv_stride,
@@ -462,8 +457,7 @@ __global__ void __launch_bounds__(128) attention_decode(
     constexpr int D = 64, VEC = 16 / sizeof(T), LPK = D / VEC, KPW = 32 / LPK;  // lanes per key, keys per warp
     const int r = blockIdx.x, h = blockIdx.y, split = blockIdx.z;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, grp = lane / LPK, sub = lane % LPK;
-    // Before the wait: the kernels just before write q and this step's K and V (into the cache too, by cache_write);
-    // the row plan, block tables and the cache's older keys are older. >= 32 keys per split: short rows use fewer.
+    // Before the wait, what the step doesn't write: row plan, block tables, older keys. >= 32 keys a split
     const int qr = row_q[r], len = row_len[r], nsplit = min((int)gridDim.z, (len + 31) / 32);
     const int own = len - 1, first_new = own - (qr - cu_seqlens_q[row_seq[r]]);  // its key; the first of the step
     if (split >= nsplit) return;
@@ -521,8 +515,7 @@ __global__ void __launch_bounds__(128) attention_decode(
             m = mn;
         }
     }
-    // merge the key groups of this warp (lanes with the same `sub`)
-    for (int off = LPK; off < 32; off <<= 1) {
+    for (int off = LPK; off < 32; off <<= 1) {  // merge the warp's key groups (lanes with the same sub)
         float m2 = __shfl_xor_sync(FULL_MASK, m, off), l2 = __shfl_xor_sync(FULL_MASK, l, off);
         float mn = fmaxf(m, m2);
         float c1 = mn == NEG_INF ? 0.f : exp2f(m - mn), c2 = mn == NEG_INF ? 0.f : exp2f(m2 - mn);
@@ -530,8 +523,7 @@ __global__ void __launch_bounds__(128) attention_decode(
         l = l * c1 + l2 * c2;
         m = mn;
     }
-    // then the 4 warps
-    __shared__ float sm_o[4][D], sm_m[4], sm_l[4];
+    __shared__ float sm_o[4][D], sm_m[4], sm_l[4];  // then the 4 warps
     if (grp == 0) {
         UNROLL for (int i = 0; i < VEC; i++) sm_o[warp][sub * VEC + i] = o[i];
         if (sub == 0) { sm_m[warp] = m; sm_l[warp] = l; }
@@ -593,8 +585,7 @@ __device__ __forceinline__ uint4 halves_of_int8(uint2 q) {
     }
     return h;
 }
-// Weights are loaded 16 bytes at a time (the widest load), 8 of them in fp16 or 16 in int8, and made halves when used:
-// part 0 of a load, or (int8) part 1
+// weights come 16 bytes a load (8 in fp16, 16 in int8), made halves when used: part 0 of a load, or (int8) part 1
 template <typename W> __device__ __forceinline__ uint4 halves(uint4 raw, int part);
 template <> __device__ __forceinline__ uint4 halves<half>(uint4 raw, int) { return raw; }
 template <> __device__ __forceinline__ uint4 halves<i8>(uint4 raw, int part) {
@@ -620,15 +611,14 @@ __global__ void dequantize(const i8* q, T* out, long n) {  // n % 8 == 0
     }
 }
 
-// 6. matmul_gemv: y = epilogue(ln(x) @ w.T) for the one row of x of a single stream's decode (from two rows on,
-// matmul_skinny's tensor cores are faster), its layernorm fused in the prologue. Memory-bound: N*K weights read once
-// (2 bytes each, 1 in int8), 2*N*K FLOPs. Warp i takes rows [i * rows_per_warp, ...), as many for every warp (the rest
-// would wait for those with one more), in rounds of R 16-byte loads a lane (32 R loads of a row), D rounds on their way
-// during one round's dot products (D register buffers, 2 blocks an SM). R = 8 (D = 2) suits rows of ~200 loads (fp16
-// K 1600, one round a row); R = 4 (D = 3) rows of ~100 (gpt2's K 768, int8's K 1600), where R 8 leaves most lanes idle,
-// and matrices up to 8 MB; there a third round in flight makes up for the shorter rounds (12 loads a lane, not 8).
-// x goes to shared memory while the first rounds fly, normalised given ln_w (two block-wide sums): one L2 read of it a
-// block, no layernorm kernel.
+// 6. matmul_gemv: y = epilogue(ln(x) @ w.T) for one row of x, a single stream's decode (from two rows on matmul_skinny
+// wins). Memory-bound: N*K weights read once (2 bytes each, 1 in int8), 2*N*K FLOPs. Warp i takes rows
+// [i * rows_per_warp, ...), as many for every warp (else all wait for those with one more), in rounds of R 16-byte
+// loads a lane (32 R loads a row), D rounds in flight during one round's dot products (D register buffers, 2 blocks an
+// SM). R = 8 (D = 2) suits rows of ~200 loads (fp16 K 1600, one round a row); R = 4 (D = 3) rows of ~100 (gpt2's K 768,
+// int8's K 1600), where R = 8 idles most lanes, and matrices up to 8 MB, a third round in flight making up for shorter
+// rounds. While the first rounds fly, x goes to shared memory (one L2 read a block), normalised given ln_w (the fused
+// layernorm).
 template <typename W, int R>
 __global__ void __launch_bounds__(256, 2) matmul_gemv(
     const half* x, const W* __restrict__ w, const float* __restrict__ scale, const half* __restrict__ bias,
@@ -697,13 +687,12 @@ __global__ void __launch_bounds__(256, 2) matmul_gemv(
 }
 
 // 7. matmul_skinny: y = epilogue(x @ w.T) for decode batches of 2-8 rows of x and the lm_head of up to 8 (from 9 rows
-// on, matmul_tc wins). Memory-bound: 2*M*N*K FLOPs over N*K*2 bytes of weights; a 64-row tile would be mostly empty.
-// A block owns 16 rows of w, on the tensor cores with roles swapped: w is the mma's A (16 x k16), the 8 rows of x its
-// B. Dot products ignore k's order, so each thread feeds the mma the 8 consecutive k of one 16-byte load (of w and x),
-// not the fragment layout's scattered pairs: no shared memory on the way in, w read once (int8: 16 k a load, made
-// halves when used). 4 warps take interleaved 64-wide chunks of K, each issuing 4 chunks' loads before its first mma,
-// then sum in shared memory. When N gives too few blocks (768 x 3072), K is split over blockIdx.y: the last to arrive
-// adds the partial sums, runs the epilogue.
+// on, matmul_tc wins). Memory-bound: 2*M*N*K FLOPs over N*K*2 bytes of weights; a 64-row tile would be mostly empty. A
+// block owns 16 rows of w, on the tensor cores with roles swapped: w is the mma's A (16 x k16), the 8 rows of x its B.
+// Dot products ignore k's order, so each thread feeds the mma the 8 consecutive k of one 16-byte load (of w and x), not
+// the fragment layout's scattered pairs: no shared memory on the way in, w read once (int8: 16 k a load). 4 warps take
+// interleaved 64-wide chunks of K, each issuing 4 chunks' loads before its first mma, then sum in shared memory. When N
+// gives too few blocks (768 x 3072), K is split over blockIdx.y; the last to arrive sums and runs the epilogue.
 template <typename W>
 __global__ void __launch_bounds__(128) matmul_skinny(
     const half* x, const W* __restrict__ w, const float* __restrict__ scale, const half* __restrict__ bias,
@@ -715,8 +704,7 @@ __global__ void __launch_bounds__(128) matmul_skinny(
     // this thread's k of group hf (of 2) in chunk u: fp16 two loads 32 apart, int8 one load of 16 (see halves)
     constexpr int E = 16 / sizeof(W), LOADS = 16 / E;
     auto k_of = [&](int k, int u, int hf) { return k + 256 * u + (E == 8 ? 32 * hf + 8 * t : 16 * t + 8 * hf); };
-    // rows past N read a valid row and compute garbage that is never stored
-    const W* w0 = w + (long)min(n0 + g, N - 1) * K;
+    const W* w0 = w + (long)min(n0 + g, N - 1) * K;  // rows past N: a valid row's garbage, never stored
     const W* w1 = w + (long)min(n0 + g + 8, N - 1) * K;
     const uint4 zero = make_uint4(0, 0, 0, 0);
     float acc[4] = {};
@@ -750,8 +738,7 @@ __global__ void __launch_bounds__(128) matmul_skinny(
     __shared__ float red[4][4][32];
     UNROLL for (int e = 0; e < 4; e++) red[warp][e][lane] = acc[e];
     __syncthreads();
-    // warp 0 finishes: acc[e] is y[m = 2t + (e&1)][n = n0 + g + 8*(e>>1)]
-    if (warp == 0)
+    if (warp == 0)  // warp 0 finishes: acc[e] is y[m = 2t + (e&1)][n = n0 + g + 8*(e>>1)]
         UNROLL for (int e = 0; e < 4; e++) acc[e] = red[0][e][lane] + red[1][e][lane] + red[2][e][lane] + red[3][e][lane];
     const int m0 = 2 * t;
     if (gridDim.y > 1) {
@@ -778,12 +765,11 @@ __global__ void __launch_bounds__(128) matmul_skinny(
     }
 }
 
-// Hopper's warpgroup tensor-core instruction (wgmma, sm_90a): a warpgroup's 128 threads multiply a 64 x 16 tile of A by
-// a 16 x N tile of B (N = 32, 64 or 128 here), both in shared memory, into 64 x N fp32 accumulators, N / 2 per thread;
-// asynchronous: issue, commit, wait. Shared memory is given by 64-bit descriptors. Our tiles are "K-major, 128-byte
-// swizzle": a row holds 64 halves of K, rows come in groups of 8 (1024 bytes apart), and 16-byte chunk c of row r sits
-// at chunk c ^ (r % 8), so a group's rows spread over all banks. The hardware XORs the address bits alike: tiles start
-// 1024-byte aligned, and a step along K within a row adds 32 bytes. CI's plain sm_90 build traps instead.
+// Hopper's warpgroup tensor-core instruction (wgmma, sm_90a): 128 threads multiply a 64 x 16 tile of A by a 16 x N tile
+// of B, both in shared memory (64-bit descriptors), into fp32 accumulators; asynchronous: issue, commit, wait. Tiles
+// are "K-major, 128-byte swizzle": a row holds 64 halves of K, rows come in groups of 8 (1024 bytes apart), and 16-byte
+// chunk c of row r sits at chunk c ^ (r % 8), spreading a group's rows over all banks. The hardware XORs the address
+// bits alike: tiles start 1024-byte aligned, and a step along K adds 32 bytes. CI's plain sm_90 build traps.
 __device__ __forceinline__ unsigned long long smem_desc(unsigned addr) {
     return ((addr & 0x3FFFF) >> 4) | (1ull << 16) | ((1024ull >> 4) << 32) | (1ull << 62);  // 62: 128-byte swizzle
 }
@@ -827,16 +813,13 @@ template <int N> __device__ __forceinline__ void wgmma_commit_and_wait() {  // a
 #endif
 }
 
-// 8. matmul_tc: y (M,N) = epilogue(x (M,K) @ w (N,K)^T), fp16 in and out, on wgmma. Compute-bound at prefill sizes:
-// 2*M*N*K FLOPs over (M*K + N*K + M*N) * 2 bytes. A block of BM/64 warpgroups owns a BM x BN tile of y (64 x BN each);
-// K goes by 64 through a STAGES-deep cp.async pipeline (swizzled as above), STAGES - 1 tiles in flight while the tensor
-// cores chew on one. Tiles filling the SMs (prefill): 3 stages let two blocks share an SM, one computing while the
-// other waits. Fewer tiles than SMs: 4 stages or more, one wgmma group left running across the barrier. Decode batches
-// of 9-512 rows: 64-row tiles, 8 stages, 32 wide while those fill at most two blocks per SM (more tiles of fewer
-// k-steps finish sooner, as in cuBLAS), then 64 wide in 6 stages; K split over blockIdx.z as in matmul_skinny. Each
-// thread copies one 16-byte chunk of every (threads/8)-th row, which the swizzle lands at the same column of each: a
-// constant stride apart. Rows past M, N and chunks past K are zero-filled (K % 8 == 0 suffices). int8 weights come
-// dequantized (unscaled), the scale in the epilogue.
+// 8. matmul_tc: y (M,N) = epilogue(x (M,K) @ w (N,K)^T) on wgmma. Compute-bound at prefill sizes: 2*M*N*K FLOPs over
+// (M*K + N*K + M*N) * 2 bytes. A block of BM/64 warpgroups owns a BM x BN tile of y (64 x BN each); K goes by 64
+// through a STAGES-deep cp.async pipeline (swizzled as above), STAGES - 1 tiles in flight while the tensor cores take
+// one. Tiles filling the SMs (prefill): 3 stages let two blocks share an SM, one computing while the other waits. Fewer
+// tiles than SMs: 4 stages or more, a wgmma group running across the barrier. Decode batches of 9-512 rows: 64-row
+// tiles, 8 stages, 32 wide while those fill <= 2 blocks an SM (more tiles of fewer k-steps finish sooner), then 64 wide
+// in 6 stages; K split over blockIdx.z as in matmul_skinny. int8 weights: dequantize's output.
 template <int BM, int BN, int STAGES>
 __global__ void __launch_bounds__(BM * 2, 256 / BM) matmul_tc(
     const half* x, const half* __restrict__ w, const float* __restrict__ scale, const half* __restrict__ bias,
@@ -851,9 +834,9 @@ __global__ void __launch_bounds__(BM * 2, 256 / BM) matmul_tc(
     const int col = tid & 7, r0 = tid >> 3;  // this thread's chunk of K, and its first row
     const unsigned dst = ((r0 * 8 + (col ^ (r0 & 7))) << 4);  // RSTEP is a multiple of 8: same swizzle every row
 
-    // The copies' addresses: a row pointer set once and a fixed stride between this thread's rows, so that a copy
-    // costs a multiply-add, not its row's index math. Rows past M or N, chunks past K: zeros, read from an address
-    // inside the matrix (the thread's last row in range, column 0).
+    // Each thread copies a 16-byte chunk of every RSTEP-th row, at one swizzled column: a row pointer and a fixed
+    // stride, so a copy costs a multiply-add, not its row's index math. Rows past M or N, chunks past K (K % 8 == 0
+    // suffices): zeros, read from inside the matrix (the thread's last row in range, column 0).
     const int x_rows = (M - m0 - r0 + RSTEP - 1) / RSTEP, w_rows = (N - n0 - r0 + RSTEP - 1) / RSTEP;  // in range
     const half* xr = x + (long)min(m0 + r0, M - 1) * K;
     const half* wr = w + (long)min(n0 + r0, N - 1) * K;
@@ -897,8 +880,7 @@ __global__ void __launch_bounds__(BM * 2, 256 / BM) matmul_tc(
     }
     if constexpr (LAG > 0) wgmma_commit_and_wait<0>();  // (an empty group) the last LAG groups too
 
-    // The tile of y goes through shared memory (the stages are free now); each thread walks 16-byte runs along its
-    // rows: coalesced stores and split-K sums, not scattered pairs, and an epilogue loop, not 64 unrolled copies.
+    // y's tile goes via the free stages, 16-byte runs a thread: coalesced stores, split-K sums, one epilogue loop
     constexpr int TLD = BN + 8;  // row pitch (floats): the float2 writes miss no bank
     constexpr int RUNS = BM * BN / 4 / THREADS, IN_FLIGHT = RUNS < 8 ? RUNS : 8;  // float4 runs per thread
     static_assert(BM * TLD * 4 <= STAGES * STAGE_BYTES, "the tile of y fits in the pipeline's stages");
@@ -938,8 +920,7 @@ __global__ void __launch_bounds__(BM * 2, 256 / BM) matmul_tc(
                 }
             }
     }
-    // 4 runs at a time: their scale, bias and residual values loaded first, all in flight together (a run at a time,
-    // each load behind the branch of the one before, waits out a round trip to L2 a load), then epilogue and stores
+    // 4 runs at a time: all their epilogue operands in flight together (not an L2 round trip each), then the stores
 #pragma unroll 1
     for (int u0 = 0; u0 < RUNS; u0 += 4) {
         EpilogueOperands ops[4][4];
@@ -966,8 +947,7 @@ __global__ void __launch_bounds__(BM * 2, 256 / BM) matmul_tc(
     }
 }
 
-// ldmatrix: four 8 x 8 tiles of halves from shared memory (one row address per lane) into registers in the
-// mma fragment layout (.trans: transposed); pack_half2: two floats rounded into the halves of an mma operand
+// ldmatrix: four 8x8 tiles of halves (a row address a lane) into mma fragments (.trans: transposed)
 __device__ __forceinline__ void ldmatrix_x4(unsigned* r, unsigned addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
@@ -981,17 +961,14 @@ __device__ __forceinline__ unsigned pack_half2(float lo, float hi) {
     return *reinterpret_cast<unsigned*>(&h);
 }
 
-// 9. attention_prefill: causal FlashAttention-2 (fp16, head_dim 64) for (chunked) prefill query tiles over the paged KV
-// cache. A block: 64 queries of one (sequence, head), 8 warps: warps w and w + 4 take queries 16w..16w+15, the first
-// each key tile's keys 0-31, the second keys 32-63, each with its own running max, sum and output, merged once at the
-// end (through shared memory): half the serial work a tile, twice the warps to hide latency where few blocks run (a
-// prompt's last chunk after a cached prefix). K, V stream by 64 rows via shared memory (cp.async, 2 buffers, by
-// block table). S = QK^T, O += PV on tensor cores; online softmax keeps S in registers. Compute-bound
-// (long prompts): 4*64 FLOPs per (query, visible key, head); Q, O once, K, V once per query tile (mostly L2). Few tiles
-// over a long context (a prompt's last chunk after a cached prefix: 2 tiles x 25 heads for 1,000 keys) would leave
-// most SMs idle while each block walks every key tile: then the key tiles are split between gridDim.z blocks, merged
-// as attention_decode merges its splits (normalised outputs and log-sum-exps, the last block to arrive combining):
-// 2*4*64*nsplit bytes more a (query, head): each split's fp32 output written, then read back from L2.
+// 9. attention_prefill: causal FlashAttention-2 (fp16, head_dim 64) for (chunked) prefill over the paged KV cache.
+// Compute-bound (long prompts): 4*64 FLOPs per (query, visible key, head); Q, O read once, K, V once per query tile
+// (mostly L2). A block: 64 queries of one (sequence, head), 8 warps: warps w and w + 4 take queries 16w..16w+15, keys
+// 0-31 and 32-63 of each key tile, each with its own running max, sum and output, merged at the end: half the serial
+// work a tile, twice the warps to hide latency where few blocks run. K, V stream by 64 rows through shared memory
+// (cp.async, 2 buffers); S = QK^T and O += PV on tensor cores, S in registers (online softmax). Few tiles over a long
+// context (a prompt's last chunk after a cached prefix) would idle most SMs: then gridDim.z blocks split the key tiles,
+// merged as in attention_decode (2*4*64*nsplit bytes more a (query, head): fp32 outputs written, read back).
 extern "C" __global__ void __launch_bounds__(256) attention_prefill(
     const half* __restrict__ q, int q_stride, const half* __restrict__ k_cache, const half* __restrict__ v_cache,
     const int* block_tables, int max_blocks, int block_size, const int* cu_seqlens_q, const int* context_lens,
@@ -1053,8 +1030,7 @@ extern "C" __global__ void __launch_bounds__(256) attention_prefill(
                 mma16816(sc[2 * np], qf[d], b0);
                 mma16816(sc[2 * np + 1], qf[d], b1);
             }
-        // causal mask and online softmax (log2 domain); this thread holds query rows g and g+8
-        UNROLL for (int hf = 0; hf < 2; hf++) {
+        UNROLL for (int hf = 0; hf < 2; hf++) {  // causal mask, online softmax (log2 domain) of rows g, g+8
             const int pos = pos0 + warp * 16 + g + hf * 8;
             float mx = m[hf];
             UNROLL for (int nt = 0; nt < 4; nt++)
@@ -1078,8 +1054,7 @@ extern "C" __global__ void __launch_bounds__(256) attention_prefill(
                     l[hf] += p;
                 }
         }
-        // O += P V: the S accumulators are already laid out as the A operand (keys = k)
-        UNROLL for (int kk = 0; kk < 2; kk++) {
+        UNROLL for (int kk = 0; kk < 2; kk++) {  // O += P V: S's accumulators are already the A operand
             unsigned pa[4] = {pack_half2(sc[2 * kk][0], sc[2 * kk][1]), pack_half2(sc[2 * kk][2], sc[2 * kk][3]),
                               pack_half2(sc[2 * kk + 1][0], sc[2 * kk + 1][1]), pack_half2(sc[2 * kk + 1][2], sc[2 * kk + 1][3])};
             UNROLL for (int dp = 0; dp < 4; dp++) {
@@ -1092,8 +1067,7 @@ extern "C" __global__ void __launch_bounds__(256) attention_prefill(
         }
         __syncthreads();  // the next iteration refills the buffer just read
     }
-    {   // warps 4-7 hand their key half's state to warps 0-3 (same query rows), which merge it as splits merge; an
-        // empty half (max -inf) weighs 0. Through Ks, free after the loop's last barrier: 128 lanes x 36 floats fill it
+    {   // warps 4-7 hand their key half's state to warps 0-3 (same query rows), merged as splits are, through Ks
         static_assert(4 * 32 * 36 * sizeof(float) <= sizeof(Ks), "warps 4-7's states fit in Ks");
         float* xo = reinterpret_cast<float*>(&Ks[0][0]) + ((warp * 32 + lane) * 36);  // 32 of o, 2 of m, 2 of l
         if (kh == 1) {
@@ -1131,8 +1105,7 @@ extern "C" __global__ void __launch_bounds__(256) attention_prefill(
         if (t == 0) part_lse[pi] = sum > 0.f ? m[hf] + log2f(sum) : NEG_INF;
     }
     if (nsplit == 1 || !last_to_arrive(&counters[blockIdx.x * H + h], nsplit)) return;
-    // the merge: a thread takes 8 outputs of a row at a time and loads every split's lse and values at once (one round
-    // trip to L2, not one a split); an absent split weighs exp2(-inf) = 0
+    // the merge: a thread takes 8 outputs of a row, all splits' lse and values loaded at once; absent splits weigh 0
     for (int c = tid; c < BQ * 8 && q0 + (c >> 3) < n_q; c += 256) {
         const int r = c >> 3, d0 = (c & 7) * 8;
         const long base = (((long)blockIdx.x * BQ + r) * H + h) * gridDim.z;
@@ -1168,14 +1141,13 @@ extern "C" __global__ void penalize(float* logits, int V, const int* rows, const
     *x = banned[e] ? NEG_INF : v - frequency[row] * n - (n > 0 ? presence[row] : 0.f) + bias[e];
 }
 
-// 11. sample: one token per row (nanoinfer.sample_row). Greedy: the first argmax. Otherwise the exponential race
-// (Gumbel-max): of the tokens the filters keep, the largest logit / T + gumbel(seed, token index, token id), so that
-// nothing else in the batch can move it. Each filter is a threshold (kept: logit >= t), so mostly only the top logits
-// matter. Two kernels, as flash-decoding splits a row so that batch 1 fills the GPU: sample_pass, a warp per 512
-// logits (its max, its race's winner, its sum of p, and for a filtered row its 8-16 largest logits as candidates and
-// the largest it kept back, its bound); sample_pick, a block a row (the race's winner if kept; else the thresholds
-// over the head, the candidates above every bound, where it holds the kept set; else over the whole row, the exact
-// way). Masses are integers (p in 2^-31 units): sums the same in any order. Bytes: 4 a logit, read once.
+// 11. sample: a token per row (nanoinfer.sample_row). Greedy: the first argmax. Otherwise the exponential race
+// (Gumbel-max): of the tokens the filters keep, the largest logit / T + gumbel(seed, token index, token id), so no
+// other row can move it. Each filter is a threshold (kept: logit >= t): mostly only top logits matter. Two kernels, a
+// row split so batch 1 fills the GPU: sample_pass, a warp per 512 logits (max, race winner, sum of p; if filtered, its
+// 8-16 largest logits as candidates, the largest kept back as bound); sample_pick, a block a row (the race's winner if
+// kept; else the thresholds over the head, the candidates above every bound, if it holds the kept set; else the exact
+// way, the whole row). Masses are integers (p in 2^-31 units): order-free sums. 4 bytes a logit, read once.
 constexpr int SAMPLE_MIN = 8, SAMPLE_CAP = 16;  // the candidates a warp of the pass hands on
 constexpr int SAMPLE_THREADS = 256, SAMPLE_HEAD = 2048;  // the pick's block, its head (W <= 128)
 
@@ -1243,11 +1215,10 @@ __device__ __forceinline__ unsigned long long top_p_target(const Filters& f, uns
     return (unsigned long long)((double)f.top_p * total);
 }
 
-// The kept set and its race, over n entries in shared memory: the head, or the whole row (the exact way); at(i) gives
-// entry i's logit and token id. Each threshold by bisection on the floats' order keys: the largest t whose logits
-// >= t meet a need (top-k: k of them; top-p: top_p of the mass), from lo, where they do. A step's pass also finds
-// the logits nearest t, above and below, and moves an end onto one, so that it stops once one logit is left between
-// the ends (about log2 n steps), exactly at a logit. (A bitonic sort of the head was ~2 us faster a step: NOTES.)
+// The kept set and its race, over n entries in shared memory (the head, or the exact way's whole row); at(i): entry i's
+// logit and token id. Each threshold by bisection over order keys: the largest t whose logits >= t meet a need (top-k:
+// k of them; top-p: top_p of the mass), from lo, where they do. Each step's pass also finds the nearest logits above
+// and below t and moves an end onto one, stopping at a logit once one is left between ends (~log2 n steps).
 struct Entry { float x; int id; };
 struct Above { int n; unsigned long long mass; unsigned least, most; };  // >= t: how many, their p; the least key >= t,
 template <typename Op> __device__ Above warp_reduce(Above a, Op op) {   // the largest key < t. A redux.sync a field:
@@ -1358,10 +1329,9 @@ extern "C" __global__ void __launch_bounds__(256) sample_pass(
     if (lane == 0) summary[(long)r * W + w] = s;
 }
 
-// The pick: warp w's summary by thread w (W <= SAMPLE_THREADS), read with this thread's candidates at once (one trip
-// to L2), then the head and the race. Top-k off: the race over every token stands if its winner is kept (top-p: the
-// mass above it is below the target, which holds with probability >= top_p; min-p: its p) - the same token as the
-// definition's, with no threshold to find.
+// The pick: warp w's summary by thread w, loaded with this thread's candidates in one L2 trip, then the head and the
+// race. Top-k off: the race over every token stands if its winner is kept (top-p: the mass above it is below the
+// target, which holds with probability >= top_p; min-p: its p) - the definition's token, no threshold needed.
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_pick(
     const float* logits, int V, int W, const float* temperature, const int* top_k, const float* top_p,
     const float* min_p, const unsigned long long* seed, const int* token_index, const WarpSummary* summary,
@@ -1440,11 +1410,10 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_pick(
 }
 
 // ---------------------------------------------------------------------------------------------
-// 12. decode_advance: a CUDA-graph decode step's last kernel, so that the next step needs no host (multi-step decoding).
-// Each row's token goes to a ring of history rows (row ring_row % ring: one run's rows are read while the next
-// writes). A live row moves on: its token becomes its input, position and context length grow by one, its KV slot
-// comes from its block table (blocks the engine reserved), its sampling counter (token_index) steps; after its last
-// allowed token (`remaining`) it becomes padding (slot -1). Tiny: a thread per row, 8 ints.
+// 12. decode_advance: a CUDA-graph decode step's last kernel, making the next step's inputs. Each row's token goes to a
+// ring of history rows (row ring_row % ring: a run's rows are read while the next writes). A live row: its token
+// becomes its input, position and context length grow by one, its KV slot comes from its (reserved) block table,
+// token_index steps; past its last allowed token (`remaining`): padding (slot -1). Tiny: a thread per row, 8 ints.
 extern "C" __global__ void decode_advance(const int* tokens, int* input_ids, int* positions, int* context_lens,
                                           int* slot_mapping, int* token_index, int* remaining, const int* block_tables,
                                           int max_blocks, int block_size, int* history, int ring, int* ring_row, int B) {
@@ -1467,15 +1436,13 @@ extern "C" __global__ void decode_advance(const int* tokens, int* input_ids, int
     slot_mapping[i] = blk < max_blocks ? block_tables[(long)i * max_blocks + blk] * block_size + pos % block_size : -1;
 }
 
-// 13. ngram_propose: a speculating graph step's first kernel (n-gram speculation chained on the GPU: SpecGraph in
-// speculation.py; NgramProposer.propose is the same rule on the host). Block b drafts for row b from its
-// token history: the latest end e of the longest earlier match of its last tokens (n_min..n_max of them), and what
-// followed it, copied LZ77-style (draft i = ids[e + 1 + i % d], d = L - 1 - e: a match near the end repeats as a loop).
-// Then the row's verification chunk of T = k + 1 queries: its last token and the draft at positions L - 1 + j, the rest
-// pads (no cache slot) at the last real position; the chunk is declared T queries long (context L + T - 1), so query
-// j sees L + j keys, as graph_runner.ChunkGraph pads a chunk. A finished row (remaining 0) is padding throughout.
-// n_max 0: no search, the draft is a draft model's, already in the history after the row's L tokens (draft_inputs).
-// Tiny: the history's L ints read ~n_max times (L2), a thread per end.
+// 13. ngram_propose: a speculating graph step's first kernel (SpecGraph in speculation.py; on the host
+// NgramProposer.propose). Block b drafts for row b from history: the latest end e of the longest earlier match of its
+// last n_min..n_max tokens, and what followed, copied LZ77-style (draft i = ids[e + 1 + i % d], d = L - 1 - e: a match
+// near the end loops). Then its verification chunk of T = k + 1 queries: its last token and the draft at positions
+// L - 1 + j, the rest pads (no slot) at the last real position; declared T long (context L + T - 1): query j sees L + j
+// keys, as in graph_runner.ChunkGraph. A finished row (remaining 0): padding. n_max 0: no search, a draft model's draft
+// follows the row's L history tokens (draft_inputs). Tiny: a thread per end, L ints read ~n_max times (L2).
 extern "C" __global__ void ngram_propose(const int* history, const int* length, const int* remaining,
                                          const int* token_base, int* ndraft, int* input_ids, int* positions,
                                          int* slot_mapping, int* context_lens, int* row_len, int* token_index,
@@ -1513,11 +1480,10 @@ extern "C" __global__ void ngram_propose(const int* history, const int* length, 
     }
 }
 
-// 14. spec_accept: a speculating graph step's last kernel. Row b (a thread) keeps its draft up to the first token that
-// differs from the token sampled in its place (tokens, T a row), and that sampled token: a + 1 tokens, appended to its
-// history, its length, remaining tokens and sampling counter moved on; the step's ring entry (per row its own step
-// count: rows never wait for each other) is [a + 1, drafts verified, the kept tokens]. Rejected positions' K/V are
-// written again by the next step, which starts at the new last token. Tiny: a thread per row, ~T ints.
+// 14. spec_accept: a speculating graph step's last kernel. Row b (a thread) keeps its draft up to the first token
+// unlike that sampled in its place (tokens, T a row), and the sampled token there: a + 1 tokens, appended to its
+// history (length, remaining, token_base advance); the step's ring entry (at the row's own step count: no row waits) is
+// [a + 1, drafts verified, the kept tokens]. Rejected K/V: rewritten by the next step. Tiny: a thread per row, ~T ints.
 extern "C" __global__ void spec_accept(const int* tokens, const int* input_ids, const int* ndraft, int* history,
                                        int* length, int* remaining, int* token_base, int* step, int* ring, int B, int T,
                                        int n_ctx) {
@@ -1541,13 +1507,12 @@ extern "C" __global__ void spec_accept(const int* tokens, const int* input_ids, 
 }
 
 // 15. draft_inputs: a draft model's steps chained on the GPU (DraftGraph in speculation.py), launched before each of
-// its k forwards (j = 0 .. k - 1) and once after the last (Q 0). Row b (a thread) first stores the token the forward
-// before sampled (tokens) as draft j - 1, in its history after its L tokens (ngram_propose with n_max 0 reads it
-// there). Then forward j's inputs, Q queries a row: at j = 0 its last two tokens (positions L - 2 and L - 1: the draft
-// model's K/V of all before them is right, DraftModelProposer.catch_up), after that draft j - 1 at L - 1 + j. The
-// last query samples, with the target's race at the same token index (token_base + j). A row needs forward j only
-// while j < its room (the drafts it may verify, remaining - 1, k at most); past it, or finished, it is padding.
-// Tiny: a thread per row, ~4 ints a query.
+// its k forwards (j = 0 .. k - 1) and once after the last (Q 0). Row b (a thread) first stores the token the last
+// forward sampled (tokens) as draft j - 1 after its L history tokens (ngram_propose, n_max 0, reads it there). Then
+// forward j's inputs, Q queries a row: at j = 0 its last two tokens (positions L - 2 and L - 1: the draft model's K/V
+// of all before them is right, DraftModelProposer.catch_up), after that draft j - 1 at L - 1 + j. The last query
+// samples, with the target's race at the same token index (token_base + j). Row b needs forward j only while j < its
+// room (drafts it may verify: remaining - 1, k at most); else it is padding. Tiny: a thread per row, ~4 ints a query.
 extern "C" __global__ void draft_inputs(const int* tokens, int* history, const int* length, const int* remaining,
                                         const int* token_base, int* input_ids, int* positions, int* slot_mapping,
                                         int* context_lens, int* row_len, int* token_index, const int* block_tables,
@@ -1570,8 +1535,7 @@ extern "C" __global__ void draft_inputs(const int* tokens, int* history, const i
     context_lens[b] = live ? L + j : Q;
 }
 
-// The templates' instantiations, one list: NVRTC gets them as name expressions (cuda_backend reads them here), and
-// nvcc (CI) compiles each, so ptxas sees them all
+// The templates' instantiations: NVRTC's name expressions (cuda_backend reads them here); nvcc (CI) compiles each
 #ifndef __CUDACC_RTC__
 #define INSTANTIATE(...) template __global__ decltype(__VA_ARGS__) __VA_ARGS__;
 #else
