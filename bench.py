@@ -259,12 +259,19 @@ ABLATIONS = (("CUDA graphs off", dict(cuda_graphs=False)),  # a lesson each: its
               dict(dependent_launches=False)))
 
 
+class Lessons(dict):
+    """bench_gpu's lessons, each printed as it is measured: a run cut short still shows what it measured."""
+    def __setitem__(self, name, value):
+        print(f"{name}: {value if isinstance(value, str) else f'{value:,.0f}' if value else '-'}", flush=True)
+        super().__setitem__(name, value)
+
+
 def bench_gpu(path, repeats):
     """End-to-end rows and lessons: single stream and switches off, streaming, batching, the server on gpt2; then
     gpt2-xl. Each row's number is the median of `repeats` runs."""
     import cupy as cp
     stage("end to end on gpt2: single stream, the lessons' switches, streaming, batching, sampling, the server")
-    llm, rng, lessons = LLM(str(path), device="cuda", gpu_memory_utilization=0.3), np.random.default_rng(0), {}
+    llm, rng, lessons = LLM(str(path), device="cuda", gpu_memory_utilization=0.3), np.random.default_rng(0), Lessons()
     one = [rng.integers(0, 50000, 64).tolist()]
     tps, lo, hi = repeated(llm, one, 256, repeats)  # then with each lesson's switch off, in an engine of a small pool
     rows = [dict(workload="single stream, prompt 64 -> 256", ours=tps, low=lo, high=hi,
@@ -298,7 +305,7 @@ def bench_gpu(path, repeats):
     workloads = [("single stream", one, 256), ("offline", prompts, lens)]
     simple = LLM(str(path), device="cuda", num_kv_tokens=200_000, kernels="simple")
     lessons["the kernel ladder: kernels='simple' (its first rungs) against the default, tok/s"] = engines_against(
-        simple, llm, [workloads[0], ("offline, the first 64 requests", prompts[:64], lens[:64])], repeats)
+        simple, llm, [workloads[0], ("offline, the first 16 requests", prompts[:16], lens[:16])], repeats)
     del simple
     gc.collect()
     lessons["prefix caching (enable_prefix_caching), on against off"] = prefix_caching_lesson(
@@ -410,8 +417,6 @@ def main():
         stage("ceilings, matmul plans, the roofline of a step's kernels, kernel targets")
         bench_kernels(results, args.plot)
         rows, results["lessons"] = bench_gpu(path, args.repeats)
-        for name, value in results["lessons"].items():
-            print(f"{name}: {value if isinstance(value, str) else f'{value:,.0f}' if value else '-'}")
     results["end_to_end"] = rows
     print(f"\n{'workload (tokens/s)':44} {'nanoinfer':>11} {f'min-max of {args.repeats}':>19} {'anchor':>11}  "
           f"{'target':>9}  met  anchor")

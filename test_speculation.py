@@ -15,7 +15,7 @@ import graph_runner
 import nanoinfer as ni
 import speculation
 from conftest import (CPU, EOT, EXACT_DEVICES, NO_GPU, Dev, Fault, chi2_critical, check_undone, greedy, hf_logits,
-                      inject, make_llm, random_ids)
+                      inject, make_llm, random_ids, write_checkpoint)
 from nanoinfer import LLM, SamplingParams
 from scheduler import Sequence
 
@@ -118,6 +118,17 @@ def test_speculation_waits_for_a_small_batch(tiny):
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
     assert all(drafts == 0 for running, drafts in steps if running > 2)
     assert any(drafts > 0 for running, drafts in steps if running <= 2) and llm.proposer.proposed > 0
+
+
+def test_bench_speculation_lessons_keep_every_token(tmp_path):
+    """bench's speculation lessons on the text model (text_model.speculation_lessons), run here on tiny 1024-position
+    checkpoints on the CPU: each workload and method runs, and reports tokens identical to plain decoding."""
+    import text_model
+    paths = {"target": tmp_path / "target", "draft": tmp_path / "draft"}
+    write_checkpoint(paths["target"], seed=0, n_layer=2, n_embd=64, n_positions=1024)
+    write_checkpoint(paths["draft"], seed=1, n_layer=1, n_embd=64, n_positions=1024)
+    lines = text_model.speculation_lessons(paths, repeats=1, n_new=8, device="cpu")
+    assert len(lines) == 6 and all("tokens identical to plain decoding's" in line for line in lines), lines
 
 
 def test_a_draft_model_of_another_vocabulary_or_a_shorter_context_is_refused(tiny, tmp_path):

@@ -138,10 +138,10 @@ def speculation_lessons(paths, repeats, n_new=256, device="cuda"):
             llm = LLM(str(paths["target"]), speculative_config=spec, **engine)
             times, same = {id(plain): [], id(llm): []}, True
             for i in range(2 * repeats):
-                engine = (plain, llm)[(i + i // 2) % 2]  # alternating, each first in every other round
+                timed = (plain, llm)[(i + i // 2) % 2]  # alternating, each first in every other round
                 t0 = time.perf_counter()
-                got = engine.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
-                times[id(engine)].append(len(got) / (time.perf_counter() - t0))
+                got = timed.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+                times[id(timed)].append(len(got) / (time.perf_counter() - t0))
                 same = same and got == want
             a, b, s = np.median(times[id(llm)]), np.median(times[id(plain)]), llm.proposer
             steps = repeats * n_new - s.accepted  # target steps: every token not a kept draft took one
