@@ -54,6 +54,10 @@ class Graph:
         self.graph.upload(self.stream)
 
 
+def smallest(graphs, n):  # of graphs by size (rows or tokens), the smallest that holds n
+    return graphs[min(size for size in graphs if size >= n)]
+
+
 def steps_left(seqs, ahead, n_ctx):  # (S,) the decode steps each may still take, `ahead` past the host's tokens
     return np.array([0 if s.finish_reason else min(s.params.max_tokens - s.num_output, n_ctx - len(s.token_ids))
                      - ahead for s in seqs]).clip(0)
@@ -254,9 +258,9 @@ class GraphRunner:
         S, drafting = len(batch.seqs), self.proposer is not None and self.proposer.active(len(batch.seqs))
         run, self.in_flight = self.in_flight, None  # (a run in flight that computes other tokens is dropped unread)
         if len(batch.input_ids) > S:  # a lone prompt's chunk
-            return self.prefills[min(T for T in self.prefills if T >= len(batch.input_ids))].run(batch, sampling)
+            return smallest(self.prefills, len(batch.input_ids)).run(batch, sampling)
         if drafting and self.spec:
-            graph = self.spec[min(B for B in self.spec if B >= S)]
+            graph = smallest(self.spec, S)
             plan = plan_run(self.kv, batch.seqs, 0, self.num_scheduler_steps, self.n_ctx, graph.T)
             if plan is not None:  # else too few free blocks for a whole chunk: a plain step
                 return graph.run(batch.seqs, sampling, plan)
@@ -264,7 +268,7 @@ class GraphRunner:
         if not all(starts.get(s.seq_id) == len(s.token_ids) - 1 for s in batch.seqs):  # (each one's first step)
             # one step while drafting (too few blocks for a chained run): the next step may draft again
             plan = plan_run(self.kv, batch.seqs, 0, 1 if drafting else self.num_scheduler_steps, self.n_ctx)
-            graph = self.graphs[min(B for B in self.graphs if B >= S)]
+            graph = smallest(self.graphs, S)
             graph.start(np.array([s.token_ids[-1] for s in batch.seqs], np.int32), sampling._asdict(), plan)
             run = graph.launch(batch.seqs, sampling, plan)
         if self.scheduler is not None and not (drafting or self.scheduler.wants_admission()):
@@ -277,7 +281,7 @@ class GraphRunner:
         live = np.flatnonzero(steps_left(run.seqs, run.num_steps, self.n_ctx))
         if self.num_scheduler_steps == 1 or len(seqs) != sum(not s.finish_reason for s in run.seqs) or not len(live):
             return None
-        graph, seqs, sampling = self.graphs[min(B for B in self.graphs if B >= len(live))], run.seqs, run.sampling
+        graph, seqs, sampling = smallest(self.graphs, len(live)), run.seqs, run.sampling
         if graph is not run.graph:
             seqs, sampling = [run.seqs[i] for i in live], type(run.sampling)(*(a[live] for a in run.sampling))
         plan = plan_run(self.kv, seqs, run.num_steps, self.num_scheduler_steps, self.n_ctx)
