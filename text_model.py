@@ -7,6 +7,7 @@ PyTorch on Python's standard library source (every 10th file held out), about th
 by transformers' save_pretrained (safetensors) with the GPT-2 vocabulary under ~/.cache/nanoinfer/trained, and
 reused while there. Nothing of them is in the repository. `python text_model.py` makes them and prints their loss.
 """
+import functools
 import math
 import shutil
 import sysconfig
@@ -35,6 +36,12 @@ def tokens(texts):
     directory (no network)."""
     tokenizer = Tokenizer(resolve_model("random:gpt2"))
     return np.concatenate([np.array(tokenizer.encode(text) + [EOT], np.int32) for text in texts])
+
+
+@functools.cache
+def held_out_tokens():
+    """The held-out files as one token array, made once a process (training, and two lessons, read it)."""
+    return tokens(corpus(held_out=True))
 
 
 def train(n_layer, seconds, tokens, device):
@@ -77,7 +84,7 @@ def make_models(device="cuda", log=print):
     is logged either way (it is in each directory's loss.txt)."""
     paths = {name: CACHE / name for name in MODELS}
     if not all((p / "loss.txt").exists() for p in paths.values()):
-        train_tokens, test_tokens = tokens(corpus(held_out=False)), tokens(corpus(held_out=True))
+        train_tokens, test_tokens = tokens(corpus(held_out=False)), held_out_tokens()
         log(f"corpus: the standard library, {len(train_tokens):,} tokens to train on, {len(test_tokens):,} held out")
         vocab = resolve_model("random:gpt2")
         for name, p in paths.items():
@@ -170,7 +177,7 @@ def quality_lessons(paths, windows=8, n_new=256, device="cuda"):
     loss (under fp32) of text sampled at T 0.8, top-p 0.95, beside the held-out text's own."""
     from nanoinfer import LLM
     from sampling_params import SamplingParams
-    test = tokens(corpus(held_out=True))
+    test = held_out_tokens()
     starts = np.linspace(0, len(test) - CONTEXT, windows).astype(int)
     texts = [test[s:s + CONTEXT].tolist() for s in starts]
     llms = {name: LLM(str(paths["target"]), device=device, num_kv_tokens=2048, **kw) for name, kw in (
@@ -234,7 +241,7 @@ def fp16_long_context(path, prompts, n_new=32, device="cuda"):
 
 def long_context_lesson(paths, n_prompts=4, length=960, n_new=32):
     """fp16_long_context on the trained target, prompts of held-out text."""
-    test = tokens(corpus(held_out=True))
+    test = held_out_tokens()
     prompts = [test[s:s + length].tolist() for s in np.linspace(0, len(test) - length, n_prompts).astype(int)]
     worst = fp16_long_context(paths["target"], prompts, n_new)
     return (f"fp16 after {length}-token prompts ({n_prompts} x {n_new} greedy tokens) against float64: largest gap "
