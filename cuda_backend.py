@@ -273,10 +273,7 @@ class CudaBackend:
         self.t = "half" if self.dtype == np.float16 else "float"
         self.vec = 16 // self.dtype.itemsize  # elements per 16-byte vector
         self.num_sms = cp.cuda.Device().attributes["MultiProcessorCount"]
-        # LLM's switches: fused=False runs layernorms, bias, GELU and residual adds as kernels of their own;
-        # dependent_launches=False captures CUDA graphs whose kernels each wait for the one before to finish;
-        # batch_invariant=True picks plans that do not depend on the batch; simple=True runs matmul, layernorm and
-        # attention on the ladder's first rungs (kernels="simple")
+        # LLM's switches, set by nanoinfer.make_backend (EngineConfig says what each does)
         self.fused, self.dependent_launches, self.batch_invariant, self.simple = True, True, False, False
         self._dependent = False  # launching into a graph capture with dependent launches on
         self._gelu = cp.ElementwiseKernel("T x", "T y", "float v = x; y = 0.5f * v * (1.f + tanhf(0.7978845608f * "
@@ -515,24 +512,17 @@ class CudaBackend:
             # batch-invariant (fp32): a fixed count, so a row's splits follow its own length alone
             nsplit = INVARIANT_SPLITS if self.batch_invariant else \
                 max(1, min(cdiv(4 * self.num_sms, batch.n_rows * H), cdiv(batch.max_row_len, 32), 32))
-            rows = (batch.row_q, batch.row_seq, batch.row_len)
-            cache = (k_cache, v_cache, batch.cu_seqlens_q) + common
             # split rows: launches of as many as the arrival counters count at once (batch-invariant prefill has more)
             per_launch = self._counters.size // H if nsplit > 1 else batch.n_rows
             for r in range(0, batch.n_rows, per_launch):
-                self._attention_decode(q, qs, new_kv, cache, *(a[r:r + per_launch] for a in rows), H, scale_log2, out,
-                                       nsplit)
+                rows, n = slice(r, r + per_launch), min(per_launch, batch.n_rows - r)
+                part_o = cp.empty(n * H * nsplit * 64 if nsplit > 1 else 0, np.float32)  # each split's outputs
+                part_lse = cp.empty(n * H * nsplit if nsplit > 1 else 0, np.float32)  # and log-sum-exps, merged
+                self.launch(f"attention_decode<{self.t}>", (n, H, nsplit), (128,), (
+                    q, np.int32(qs), *new_kv, k_cache, v_cache, batch.cu_seqlens_q, *common, batch.row_q[rows],
+                    batch.row_seq[rows], batch.row_len[rows], np.int32(H), scale_log2, out, part_o, part_lse,
+                    self._counters))
         return out
-
-    def _attention_decode(self, q, qs, new_kv, cache, row_q, row_seq, row_len, H, scale_log2, out, nsplit):
-        """attention_decode over these rows, each row's keys in up to nsplit splits of >= 32 keys; cache: the K and V
-        caches, the batch's cu_seqlens_q, its block tables and their shape."""
-        n_rows = len(row_q)
-        part_o = cp.empty(n_rows * H * nsplit * 64 if nsplit > 1 else 0, np.float32)
-        part_lse = cp.empty(n_rows * H * nsplit if nsplit > 1 else 0, np.float32)
-        self.launch(f"attention_decode<{self.t}>", (n_rows, H, nsplit), (128,),
-                    (q, np.int32(qs)) + new_kv + cache +
-                    (row_q, row_seq, row_len, np.int32(H), scale_log2, out, part_o, part_lse, self._counters))
 
     def penalize(self, logits, e):
         """NumpyBackend.penalize, in place on the (R, V) fp32 logits."""

@@ -171,10 +171,9 @@ class NumpyBackend:
         return out
 
     def penalize(self, logits, e):
-        """The logits processors, before sampling: for each (row, token) of e (a Penalties), the repetition penalty
-        (a positive logit divided by it, a negative one multiplied), then the presence and frequency penalties
-        (subtracted, the second once per time the token is in the output), then the logit bias (added); a token
-        banned gets -inf."""
+        """The logits processors, for each (row, token) of e (a Penalties): the repetition penalty (a positive logit
+        / r, a negative one * r), presence and frequency (subtracted, the second per time in the output), bias (added);
+        a token banned gets -inf."""
         logits = logits.copy()
         x, r, n = logits[e.rows, e.ids], e.repetition, e.output_counts
         x = np.where(x > 0, x / r, x * r) - e.frequency[e.rows] * n - e.presence[e.rows] * (n > 0) + e.bias
@@ -478,9 +477,7 @@ class LLM:
 
     def add_request(self, prompt, params=None, outbox=None):
         """Queue a request; its events go to outbox.append (None: step() returns them). A bad one raises ValueError."""
-        return self._add(prompt, params, self._step_outbox if outbox is None else outbox)
-
-    def _add(self, prompt, params, outbox):
+        outbox = self._step_outbox if outbox is None else outbox
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling parameters are a SamplingParams or None, not {type(params).__name__}")
@@ -539,7 +536,9 @@ class LLM:
             batch = make_batch(scheduled, self.kv)
             step.events = self._postprocess(scheduled, self.runner.run(batch))
         self._deliver(step.events)
-        self._abort_deferred()
+        if self._aborts_after_step:  # the aborts asked for during the step, now that it is over
+            ids, self._aborts_after_step = self._aborts_after_step, []
+            self.abort_request(ids)
 
     def _postprocess(self, scheduled, sampled):
         """The scheduled tokens' K/V are in the cache now; each sequence takes what it got back (_take), its full blocks
@@ -596,12 +595,6 @@ class LLM:
         return self._events([ended for seq in saved
                              for ended in self._requests[seq.request_id].finish("error", message, self.scheduler, seq)])
 
-    def _abort_deferred(self):
-        """The aborts asked for during the step, now that it is over."""
-        if self._aborts_after_step:
-            ids, self._aborts_after_step = self._aborts_after_step, []
-            self.abort_request(ids)
-
     def _events(self, seqs):
         """(request id, sample index, new text, None) per sequence; a request's last one here carries its
         RequestOutput when all its samples are finished."""
@@ -628,7 +621,7 @@ class LLM:
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
                 try:
-                    index[self._add(prompt, p, outbox)] = i
+                    index[self.add_request(prompt, p, outbox)] = i
                 except ValueError as e:
                     yield i, 0, "", RequestOutput.refused(prompt, e)
             remaining = len(index)

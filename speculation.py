@@ -49,6 +49,7 @@ class Proposer:
     """What both ways share: k, a sequence's room for a draft, when to draft, the seams, vLLM's counters."""
     draft_config = None  # a draft model's GPT-2 config (its K/V share the pool's slots)
     on_device = False  # the GPU drafts for the decodes its graphs take (chained_graph)
+    n_min = n_max = 0  # the n-gram sizes ngram_propose matches (0: none, the drafts are a draft model's)
 
     def __init__(self, config, n_ctx):
         self.k, self.max_batch = config.get("num_speculative_tokens"), config.get("disable_by_batch_size")
@@ -131,7 +132,6 @@ class Verifier:
 
 class NgramProposer(Proposer):
     """Drafts by prompt lookup (vLLM's "ngram")."""
-    method = "ngram"
 
     def __init__(self, config, n_ctx):
         super().__init__(config, n_ctx)
@@ -167,42 +167,32 @@ class NgramProposer(Proposer):
         return [seq.token_ids[found + 1 + i % loop] for i in range(room)]
 
 
-class DraftModel:
-    """A smaller GPT-2 of the target's vocabulary and context, on its backend, its K/V in the target's blocks (tensors
-    of its own); it runs over sequence views (view()) with a ModelRunner of its own (on the GPU, graphs too)."""
-    def __init__(self, spec, llm):
-        path = resolve_model(spec["model"])
-        self.config = c = load_config(path)
-        self.tokenizer = Tokenizer(path, c.vocab_size)
-        llm.backend.check_model(c)
-        if not self.tokenizer.same_vocabulary(llm.tokenizer) or c.n_ctx < llm.config.n_ctx:
-            raise ValueError(f"speculative_config={spec!r}: a draft model needs the target's vocabulary (ids meaning "
-                             f"the same bytes) and context ({llm.config.n_ctx}); {path} has " + (
-                                 f"a context of {c.n_ctx}" if c.n_ctx < llm.config.n_ctx else "another vocabulary"))
-        self.model = GPT(c, load_weights(path, c), llm.backend, self.tokenizer.n_vocab)
-
-    def attach(self, kv, engine):
-        """Its K/V tensors in the target's blocks, and its runner."""
-        c = self.config
-        self.kv = kv.with_tensors(self.model.backend, c.n_layer, c.n_head, c.head_dim)
-        self.runner = ModelRunner(self.model, self.kv, engine)
-
-
 class DraftModelProposer(Proposer):
-    """Drafts by a smaller model (DraftModel). Per sequence it remembers how many tokens have their draft K/V written
-    and in which blocks (`computed`), and the draft tokens it was fed (`fed`): those the target kept have right K/V."""
+    """Drafts by a smaller GPT-2 of the target's vocabulary and context, on its backend, its K/V in the target's blocks
+    (tensors of its own), run over sequence views (view()) by a ModelRunner of its own (on the GPU, graphs too). Per
+    sequence it remembers how many tokens have their draft K/V written and in which blocks (`computed`), and the draft
+    tokens it was fed (`fed`): those the target kept have right K/V."""
     def __init__(self, config, llm):
         super().__init__(config, llm.config.n_ctx)
         if config.get("method", "draft_model") != "draft_model":
             raise ValueError(f"speculative_config={config!r}: this engine drafts by {FORMS}")
-        self.draft = DraftModel(config, llm)
-        self.draft_config, self.kv = self.draft.config, None
+        path = resolve_model(config["model"])
+        self.draft_config = c = load_config(path)
+        tokenizer = Tokenizer(path, c.vocab_size)
+        llm.backend.check_model(c)
+        if not tokenizer.same_vocabulary(llm.tokenizer) or c.n_ctx < llm.config.n_ctx:
+            raise ValueError(f"speculative_config={config!r}: a draft model needs the target's vocabulary (ids meaning "
+                             f"the same bytes) and context ({llm.config.n_ctx}); {path} has " + (
+                                 f"a context of {c.n_ctx}" if c.n_ctx < llm.config.n_ctx else "another vocabulary"))
+        self.draft_model = GPT(c, load_weights(path, c), llm.backend, tokenizer.n_vocab)
         self.computed = {}  # seq_id -> (tokens with draft K/V written, the blocks they lie in)
         self.fed = {}  # seq_id -> (position, the draft tokens fed to the draft model from there)
 
     def scheduler(self, kv, engine):
-        self.kv = kv
-        self.draft.attach(kv, engine)
+        """The target's blocks, the draft model's K/V tensors in them, and its runner."""
+        c = self.draft_config
+        self.kv, self.draft_kv = kv, kv.with_tensors(self.draft_model.backend, c.n_layer, c.n_head, c.head_dim)
+        self.draft_runner = ModelRunner(self.draft_model, self.draft_kv, engine)
         return super().scheduler(kv, engine)
 
     def chained_graph(self, common, B):  # graph_runner.GraphRunner's graph of B rows drafting on the GPU
@@ -219,7 +209,7 @@ class DraftModelProposer(Proposer):
         behind = [view(seq, seen, 0, end=len(seq.token_ids) - 2) for seq in seqs
                   if (seen := self._seen(seq)) < len(seq.token_ids) - 2]
         if behind:  # (the token each samples is not needed)
-            self.draft.runner.run(make_batch([(v, v.num_uncomputed) for v in behind], self.draft.kv))
+            self.draft_runner.run(make_batch([(v, v.num_uncomputed) for v in behind], self.draft_kv))
 
     def ran(self, kept):
         """After a DraftGraph run: the draft K/V of each sequence right for all but the last two of its tokens."""
@@ -234,8 +224,8 @@ class DraftModelProposer(Proposer):
         made, start = {seq: 0 for seq in seqs}, {seq: self._seen(seq) for seq in seqs}
         while views := {view(seq, start[seq] if j == 0 else len(seq.token_ids) + j - 1, j): seq
                         for seq, j in made.items() if j < len(seq.draft)}:
-            batch = make_batch([(v, v.num_uncomputed) for v in views], self.draft.kv)
-            for v, got in self.draft.runner.run(batch).items():  # a graph run may make several tokens at once
+            batch = make_batch([(v, v.num_uncomputed) for v in views], self.draft_kv)
+            for v, got in self.draft_runner.run(batch).items():  # a graph run may make several tokens at once
                 seq, tokens = views[v], got.token_ids
                 n = min(len(tokens), len(seq.draft) - made[seq])
                 seq.draft[made[seq]:made[seq] + n] = tokens[:n]
@@ -305,15 +295,12 @@ class SpecGraph(ChunkGraph):
             d["step"], self.ring, np.int32(self.B), np.int32(self.T), np.int32(self.n_ctx)))
 
     def propose(self):  # each row's draft, then its verification chunk
-        self.chunk_inputs(self.proposer.n_min, self.proposer.n_max)
-
-    def chunk_inputs(self, n_min, n_max):
-        d, b = self.dev, self.batch
+        d, b, p = self.dev, self.batch, self.proposer
         self.backend.launch("ngram_propose", (self.B,), (128,), (
             d["history"], d["length"], d["remaining"], d["token_base"], d["ndraft"], b.input_ids, b.positions,
             b.slot_mapping, b.context_lens, b.row_len if b.n_rows else self.scratch, d["token_index"],
             b.block_tables, np.int32(self.width), np.int32(self.kv.block_size), np.int32(self.n_ctx),
-            np.int32(self.T), np.int32(n_min), np.int32(n_max)))
+            np.int32(self.T), np.int32(p.n_min), np.int32(p.n_max)))
 
     def run(self, seqs, sampling, plan):
         """{sequence: the tokens it kept, in order}: rows loaded, plan.num_steps replays; vLLM's counters counted."""
@@ -352,7 +339,7 @@ class DraftGraph(SpecGraph):
     makes the verification chunk of them. Before a run, the host brings the draft model's K/V up to each row's last
     two tokens (DraftModelProposer.catch_up); after it, it notes how far they are right (ran)."""
     def __init__(self, chunk_step, backend, kv, n_ctx, stream, pool, proposer, B):
-        width, self.draft_step = kv.blocks_needed(n_ctx + proposer.k + 1), proposer.draft.runner.decode_step
+        width, self.draft_step = kv.blocks_needed(n_ctx + proposer.k + 1), proposer.draft_runner.decode_step
         self.forward_inputs = {Q: draft_forward_inputs(B, Q, width, backend.tile_min_q, n_ctx, stream) for Q in (2, 1)}
         super().__init__(chunk_step, backend, kv, n_ctx, stream, pool, proposer, B)
 
@@ -368,7 +355,7 @@ class DraftGraph(SpecGraph):
                 np.int32(self.T), np.int32(j), np.int32(Q), np.int32(self.B)))
             if Q:
                 tokens = self.draft_step(b, inputs.dev)
-        self.chunk_inputs(0, 0)
+        super().propose()  # its verification chunk (n_max 0: the draft is the history's next tokens)
 
     def run(self, seqs, sampling, plan):
         self.proposer.catch_up(seqs)
@@ -384,7 +371,6 @@ class DraftGraph(SpecGraph):
 
 # -----------------------------------------------------------------------------
 # the numpy definitions of the graph helpers that chain speculation steps on the GPU (kernels.cu, sections 13-15)
-
 
 def ngram_propose(history, length, remaining, token_base, ndraft, input_ids, positions, slot_mapping, context_lens,
                   row_len, token_index, block_tables, width, block_size, n_ctx, T, n_min, n_max):
